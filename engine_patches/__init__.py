@@ -1,0 +1,1 @@
+"""kvroute.engine_patches."""

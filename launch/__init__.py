@@ -1,0 +1,1 @@
+"""The ``kvroute`` command line and the local and Ray cluster launchers."""
