@@ -1,0 +1,270 @@
+"""``lbgr``: Learning-Based Greedy Routing (seed 004, Algorithm 2), all of it.
+
+For request q (L prompt tokens) and worker i:
+
+- hit h_i = characters matched in the global prefix index, converted to tokens with a chars-per-token
+  ratio learned from finished requests' ``prompt_tokens`` (before any observation: the request's own
+  len(text) / est_tokens);
+- service time S_i = c_hit * h_i + c_miss * (L - h_i), coefficients in ms per 1k tokens (reference
+  fzwark/KVRouting: c_hit = 0, c_miss = 1000), floored at 1 ms;
+- queue load W_i: += S_i on dispatch, x 31/32 every 20 ms, remainder released on finish — kept by the
+  Router's ClusterState (``WorkerView.load``) using this policy's ``service_time``;
+- residual r_i = theta_i . [S_i, W_i, n_i, 1], one model per worker, fitted online by recursive least
+  squares with forgetting factor 0.992 on y = observed e2e - (S_i + W_i at dispatch);
+- route to argmin S_i + W_i + r_i, ties at random.
+
+Features (why these three): S_i corrects the fixed cost coefficients (a slope != 0 means the engine is
+faster/slower per uncached token than assumed); W_i corrects the decay model of the queue (a slope means
+the queue drains faster/slower than 31/32 per 20 ms); n_i, the in-flight count at dispatch, captures
+batching/decode interference that neither token cost sees. The bias is the per-worker offset the
+released code learned alone.
+
+Anti-herding: a residual changes only when that worker's requests finish, so a worker that gets no
+traffic would keep a stale residual forever (a stale positive residual starves it; an independent
+prototype of the bias-only version sent hundreds of requests in a row to one worker). Residuals are
+therefore aged toward zero with half-life ``residual_half_life_s`` since the worker's last observation;
+on the next observation the model itself is shrunk by the same factor and its covariance moved back
+toward the prior, so fresh data dominates. The estimate is floored at S_i (the residual may not make
+a worker look cheaper than its service time alone), so no residual can make a worker look free.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvroute.router.policies._common import SeededPolicy
+from kvroute.router.state import CharsPerTokenEstimator
+from kvroute.router.types import Request, WorkerView
+
+N_FEATURES = 4  # S, W, in-flight, bias
+
+
+class RLS:
+    """Recursive least squares with exponential forgetting, 4 parameters, pure Python (tiny, exact).
+
+    Invariant: ``p`` stays symmetric positive definite and bounded by ``p_max`` on the diagonal
+    (anti-windup: without excitation, forgetting inflates P by 1/lambda per update).
+    """
+
+    __slots__ = ("theta", "p", "forgetting", "p0", "p_max", "updates")
+
+    def __init__(self, forgetting: float = 0.992, p0: float = 10.0, p_max: float = 1e4) -> None:
+        self.forgetting = forgetting
+        self.p0 = p0
+        self.p_max = p_max
+        self.theta = [0.0] * N_FEATURES
+        self.p = [[p0 if i == j else 0.0 for j in range(N_FEATURES)] for i in range(N_FEATURES)]
+        self.updates = 0
+
+    def predict(self, x: Sequence[float]) -> float:
+        t = self.theta
+        return t[0] * x[0] + t[1] * x[1] + t[2] * x[2] + t[3] * x[3]
+
+    def update(self, x: Sequence[float], y: float) -> None:
+        p = self.p
+        n = N_FEATURES
+        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = self.forgetting + sum(x[i] * px[i] for i in range(n))
+        k = [v / denom for v in px]
+        err = y - self.predict(x)
+        for i in range(n):
+            self.theta[i] += k[i] * err
+        lam = self.forgetting
+        new_p = [[(p[i][j] - k[i] * px[j]) / lam for j in range(n)] for i in range(n)]
+        for i in range(n):  # symmetrize against round-off
+            for j in range(i + 1, n):
+                avg = 0.5 * (new_p[i][j] + new_p[j][i])
+                new_p[i][j] = new_p[j][i] = avg
+        biggest = max(new_p[i][i] for i in range(n))
+        if biggest > self.p_max:
+            scale = self.p_max / biggest
+            new_p = [[v * scale for v in row] for row in new_p]
+        self.p = new_p
+        self.updates += 1
+
+    def shrink(self, factor: float) -> None:
+        """Ages the model: theta -> factor * theta, P moved toward the prior by (1 - factor)."""
+        self.theta = [t * factor for t in self.theta]
+        add = (1.0 - factor) * self.p0
+        for i in range(N_FEATURES):
+            self.p[i][i] += add
+
+
+class _Worker:
+    __slots__ = ("model", "last_update")
+
+    def __init__(self, model: RLS, now: float | None) -> None:
+        self.model = model
+        self.last_update = now  # None until the first observation
+
+
+class LBGRPolicy(SeededPolicy):
+    name = "lbgr"
+
+    def __init__(
+        self,
+        c_hit_ms_per_1k: float = 0.0,
+        c_miss_ms_per_1k: float = 1000.0,
+        min_service_ms: float = 1.0,
+        forgetting: float = 0.992,
+        rls_p0: float = 10.0,
+        residual_half_life_s: float = 5.0,
+        learn_residual: bool = True,
+        chars_per_token_prior: float = 4.0,
+    ) -> None:
+        super().__init__()
+        if c_hit_ms_per_1k < 0 or c_miss_ms_per_1k < 0 or min_service_ms < 0:
+            raise ValueError("lbgr: cost coefficients must be >= 0")
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"lbgr: forgetting must be in (0, 1], got {forgetting}")
+        if not rls_p0 > 0:
+            raise ValueError(f"lbgr: rls_p0 must be > 0, got {rls_p0}")
+        if not residual_half_life_s > 0:
+            raise ValueError(f"lbgr: residual_half_life_s must be > 0, got {residual_half_life_s}")
+        # per-token costs in seconds (the paper states them per 1k tokens in ms)
+        self.c_hit = c_hit_ms_per_1k / 1e6
+        self.c_miss = c_miss_ms_per_1k / 1e6
+        self.min_service = min_service_ms / 1e3
+        self.forgetting = forgetting
+        self.rls_p0 = rls_p0
+        self.residual_half_life_s = residual_half_life_s
+        self._age_rate = math.log(2.0) / residual_half_life_s
+        self.learn_residual = learn_residual
+        self.chars_per_token = CharsPerTokenEstimator(chars_per_token_prior)
+        self._workers: dict[str, _Worker] = {}
+        # request id -> (worker, features at dispatch, S + W at dispatch)
+        self._pending: dict[str, tuple[str, tuple[float, float, float, float], float]] = {}
+
+    # -- model pieces ------------------------------------------------------------------------------
+    def hit_tokens(self, request: Request, match_chars: int) -> float:
+        if match_chars <= 0:
+            return 0.0
+        if self.chars_per_token.observations == 0 and request.est_tokens > 0 and request.text:
+            hit = match_chars * request.est_tokens / len(request.text)
+        else:
+            hit = match_chars / self.chars_per_token.ratio
+        return min(hit, float(request.est_tokens))
+
+    def service_time(self, request: Request, match_chars: int) -> float:
+        hit = self.hit_tokens(request, match_chars)
+        s = self.c_hit * hit + self.c_miss * (request.est_tokens - hit)
+        return s if s > self.min_service else self.min_service
+
+    def _worker(self, worker_id: str) -> _Worker:
+        w = self._workers.get(worker_id)
+        if w is None:
+            w = self._workers[worker_id] = _Worker(RLS(self.forgetting, self.rls_p0), None)
+        return w
+
+    def age_factor(self, worker_id: str, now: float) -> float:
+        w = self._workers.get(worker_id)
+        if w is None or w.last_update is None:
+            return 1.0
+        dt = now - w.last_update
+        return math.exp(-self._age_rate * dt) if dt > 0 else 1.0
+
+    def residual(self, worker_id: str, s: float, load: float, in_flight: int, now: float) -> float:
+        w = self._workers.get(worker_id)
+        if w is None or w.last_update is None:
+            return 0.0
+        t = w.model.theta
+        r = t[0] * s + t[1] * load + t[2] * in_flight + t[3]
+        dt = now - w.last_update
+        return r * math.exp(-self._age_rate * dt) if dt > 0 else r
+
+    def estimate(self, request: Request, view: WorkerView, now: float) -> float:
+        s = self.service_time(request, view.match_chars)
+        base = s + view.load
+        if not self.learn_residual:
+            return base
+        est = base + self.residual(view.id, s, view.load, view.in_flight, now)
+        return est if est > s else s
+
+    # -- policy protocol ---------------------------------------------------------------------------
+    def choose(self, request: Request, workers: Sequence[WorkerView], now: float) -> str:
+        # inlined estimate() for speed: this loop is the routing hot path
+        L = float(request.est_tokens)
+        c_hit, c_miss, floor = self.c_hit, self.c_miss, self.min_service
+        learned = self.chars_per_token.observations > 0
+        if learned:
+            tokens_per_char = 1.0 / self.chars_per_token.ratio
+        else:
+            tokens_per_char = (L / len(request.text)) if request.text and L > 0 else 0.0
+        models = self._workers
+        age_rate = self._age_rate
+        use_residual = self.learn_residual
+        best = math.inf
+        ties: list[str] = []
+        for v in workers:
+            hit = v.match_chars * tokens_per_char
+            if hit > L:
+                hit = L
+            s = c_hit * hit + c_miss * (L - hit)
+            if s < floor:
+                s = floor
+            est = s + v.load
+            if use_residual:
+                w = models.get(v.id)
+                if w is not None and w.last_update is not None:
+                    t = w.model.theta
+                    r = t[0] * s + t[1] * v.load + t[2] * v.in_flight + t[3]
+                    dt = now - w.last_update
+                    if dt > 0:
+                        r *= math.exp(-age_rate * dt)
+                    est += r
+                    if est < s:
+                        est = s
+            if est < best - 1e-12:
+                best = est
+                ties = [v.id]
+            elif est <= best + 1e-12:
+                ties.append(v.id)
+        return ties[0] if len(ties) == 1 else ties[self.rng.randrange(len(ties))]
+
+    def on_dispatch(self, request: Request, worker: WorkerView, now: float) -> None:
+        s = self.service_time(request, worker.match_chars)
+        x = (s, worker.load, float(worker.in_flight), 1.0)
+        self._pending[request.id] = (worker.id, x, s + worker.load)
+
+    def on_finish(
+        self,
+        request_id: str,
+        worker_id: str,
+        now: float,
+        ok: bool,
+        ttft: float | None,
+        e2e: float,
+        *,
+        prompt_chars: int,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
+        entry = self._pending.pop(request_id, None)
+        if ok and prompt_tokens:
+            self.chars_per_token.observe(prompt_chars, prompt_tokens)
+        if entry is None or not ok or not self.learn_residual:
+            return  # a failed request's latency says nothing about the worker's queue
+        wid, x, base = entry
+        self.observe(wid, x, e2e - base, now)
+
+    def observe(self, worker_id: str, x: Sequence[float], y: float, now: float) -> None:
+        """One residual observation for ``worker_id``: features ``x`` (S, W, n, 1), target ``y``."""
+        w = self._worker(worker_id)
+        if w.last_update is not None and now > w.last_update:
+            w.model.shrink(math.exp(-self._age_rate * (now - w.last_update)))
+        w.model.update(x, y)
+        w.last_update = now if w.last_update is None else max(now, w.last_update)
+
+    def on_worker_added(self, worker_id: str) -> None:
+        self._worker(worker_id)
+
+    def on_worker_removed(self, worker_id: str) -> None:
+        self._workers.pop(worker_id, None)
+        # its in-flight requests will never teach us anything: forget them now
+        for rid in [rid for rid, entry in self._pending.items() if entry[0] == worker_id]:
+            del self._pending[rid]
+
+    def theta(self, worker_id: str) -> list[float]:
+        w = self._workers.get(worker_id)
+        return [0.0] * N_FEATURES if w is None else list(w.model.theta)
