@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
@@ -277,7 +278,8 @@ async def run(cfg: ClusterConfig, *, console: Console | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    launch_id = uuid.uuid4().hex[:12]
+    # every child carries this tag, so leftovers can be found; a caller may choose it (tests do)
+    launch_id = os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex[:12]
     log_dir = Path(cfg.log_dir or Path("kvroute-logs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     workers: Workers | None = None
