@@ -1,0 +1,340 @@
+"""The proxy path of the HTTP router: route one generation request, forward it, stream the answer back.
+
+Lifecycle invariant: once ``Router.route`` returned a worker for a request, ``Router.finish`` is called for
+that dispatch on every exit path (success, upstream error, client disconnect, timeout, retry), by a
+``finally`` — the policy's load state never leaks. A request whose upstream connection fails before any
+byte reached the client is retried on another worker (``finish(ok=False)`` then ``route(exclude=...)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import aiohttp
+from aiohttp import web
+from kvroute.router.health import HealthChecker
+from kvroute.router.http_metrics import RouterMetrics
+from kvroute.router.http_validate import Endpoint, ParsedRequest, RequestError, parse_request
+from kvroute.router.types import NoWorkerAvailable, Request
+
+log = logging.getLogger("kvroute.router.proxy")
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_SSE = "text/event-stream"
+
+
+def _usage_from(obj: Any) -> tuple[int | None, int | None]:
+    """(prompt_tokens, cached_tokens) from an OpenAI ``usage`` or SGLang ``meta_info`` object."""
+    if not isinstance(obj, dict):
+        return None, None
+    usage = obj.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return usage["prompt_tokens"], cached if isinstance(cached, int) else None
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict) and isinstance(meta.get("prompt_tokens"), int):
+        cached = meta.get("cached_tokens")
+        return meta["prompt_tokens"], cached if isinstance(cached, int) else None
+    return None, None
+
+
+def _usage_from_sse_tail(tail: bytes) -> tuple[int | None, int | None]:
+    """Scan the last SSE events of a stream, newest first, for usage / meta_info."""
+    for event in reversed(tail.split(b"\n\n")):
+        event = event.strip()
+        if not event.startswith(b"data:") or (b"prompt_tokens" not in event):
+            continue
+        try:
+            found = _usage_from(json.loads(event[5:]))
+        except ValueError:
+            continue
+        if found[0] is not None:
+            return found
+    return None, None
+
+
+class ProxyService:
+    """Holds the shared state of the proxy path (one per app)."""
+
+    def __init__(
+        self,
+        router: Any,
+        session: aiohttp.ClientSession,
+        health: HealthChecker,
+        metrics: RouterMetrics,
+        *,
+        request_timeout_s: float,
+        max_body_bytes: int,
+        connect_timeout_s: float = 2.0,
+        max_attempts: int = 3,
+    ) -> None:
+        self.router = router
+        self.session = session
+        self.health = health
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.max_attempts = max_attempts
+        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self._active: set[str] = set()  # request keys currently dispatched (unique per Router)
+        self._seq = itertools.count()
+        self._now: Callable[[], float] = time.monotonic
+
+    @property
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    def _unique_key(self, request_id: str) -> str:
+        # A client may reuse an X-Request-Id concurrently; the Router keys its state by id, so make it unique.
+        key = request_id
+        while key in self._active:
+            key = f"{request_id}.{next(self._seq)}"
+        return key
+
+    async def handle(
+        self, request: web.Request, endpoint: Endpoint, path: str, request_id: str
+    ) -> web.StreamResponse:
+        t_arrival = time.perf_counter()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.rejected.labels("body_too_large").inc()
+            raise RequestError(
+                413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="body_too_large"
+            ) from None
+        try:
+            parsed = parse_request(endpoint, raw)
+            self._check_model(parsed)
+        except RequestError as exc:
+            self.metrics.rejected.labels("bad_request" if exc.status != 404 else "unknown_model").inc()
+            raise
+        # ids are exact; text is estimated from characters with the ratio the Router learns from usage
+        est = (
+            len(parsed.prompt_ids)
+            if parsed.prompt_ids is not None
+            else self.router.estimate_tokens(parsed.index_text)
+        )
+        key = self._unique_key(request_id)
+        self._active.add(key)
+        try:
+            return await self._dispatch(
+                request,
+                parsed,
+                Request(key, parsed.index_text, est, parsed.max_tokens),
+                raw,
+                path,
+                request_id,
+                t_arrival,
+            )
+        finally:
+            self._active.discard(key)
+
+    def _check_model(self, parsed: ParsedRequest) -> None:
+        if parsed.model is None:
+            return
+        known = self.health.known_models()
+        if known and parsed.model not in known:
+            raise RequestError(
+                404,
+                f"the model '{parsed.model}' does not exist; served: {sorted(known)}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def _dispatch(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        req: Request,
+        raw: bytes,
+        path: str,
+        request_id: str,
+        t_arrival: float,
+    ) -> web.StreamResponse:
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+        auth = request.headers.get("Authorization")
+        if auth is not None:
+            headers["Authorization"] = auth
+        excluded: set[str] = set()
+        for attempt in range(self.max_attempts):
+            t_route = time.perf_counter()
+            try:
+                worker = self.router.route(req, self._now(), exclude=excluded)
+            except NoWorkerAvailable:
+                self.metrics.rejected.labels("no_worker").inc()
+                if excluded:
+                    raise RequestError(
+                        502,
+                        f"every worker tried failed to connect ({len(excluded)})",
+                        err_type="server_error",
+                        code="upstream_unavailable",
+                    ) from None
+                raise RequestError(
+                    503, "no healthy worker is available", err_type="server_error", code="no_worker"
+                ) from None
+            self.metrics.decision.observe(time.perf_counter() - t_route)
+            self.metrics.worker(worker).requests[parsed.endpoint].inc()
+            outcome = _Outcome()
+            try:
+                return await self._forward(
+                    request, parsed, req, raw, worker + path, worker, headers, t_arrival, outcome
+                )
+            except _RetryableUpstreamError as exc:
+                self.metrics.errors.labels(worker, "connect").inc()
+                self.health.report_failure(worker, exc.reason)
+                excluded.add(worker)
+                if attempt + 1 < self.max_attempts:
+                    self.metrics.retries.inc()
+                    log.info(
+                        "request %s: %s failed before any byte was sent (%s); retrying",
+                        request_id,
+                        worker,
+                        exc.reason,
+                    )
+                    continue
+                raise RequestError(
+                    502,
+                    f"upstream connection failed: {exc.reason}",
+                    err_type="server_error",
+                    code="upstream_unavailable",
+                ) from None
+            finally:
+                # exactly one finish per dispatch, whatever happened (idempotent on the Router side)
+                self.router.finish(
+                    req.id,
+                    self._now(),
+                    outcome.ok,
+                    prompt_tokens=outcome.prompt_tokens,
+                    cached_tokens=outcome.cached_tokens,
+                )
+        raise AssertionError("unreachable")  # the loop either returns or raises
+
+    async def _forward(
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        req: Request,
+        raw: bytes,
+        url: str,
+        worker: str,
+        headers: dict[str, str],
+        t_arrival: float,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        try:
+            upstream = await self.session.post(url, data=raw, headers=headers, timeout=self.timeout)
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            if isinstance(exc, aiohttp.ServerTimeoutError):
+                return self._timeout(worker)
+            raise _RetryableUpstreamError(f"{type(exc).__name__}: {exc}") from None
+        except asyncio.TimeoutError:
+            return self._timeout(worker)
+        async with upstream:
+            ctype = upstream.headers.get("Content-Type", "application/json")
+            if upstream.status == 200 and ctype.startswith(_SSE):
+                return await self._stream(request, upstream, ctype, req, worker, t_arrival, outcome)
+            try:
+                body = await upstream.read()
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+                if isinstance(exc, aiohttp.ServerTimeoutError):
+                    return self._timeout(worker)
+                raise _RetryableUpstreamError(f"{type(exc).__name__}: {exc}") from None
+            except asyncio.TimeoutError:
+                return self._timeout(worker)
+        now = time.perf_counter()
+        self.router.first_token(req.id, self._now())
+        if upstream.status >= 500:
+            self.metrics.errors.labels(worker, "upstream_5xx").inc()
+        else:
+            outcome.ok = True
+            self.health.report_success(worker)
+            series = self.metrics.worker(worker)
+            series.ttft.observe(now - t_arrival)
+            series.e2e.observe(now - t_arrival)
+            if upstream.status == 200 and ctype.startswith("application/json"):
+                try:
+                    outcome.prompt_tokens, outcome.cached_tokens = _usage_from(json.loads(body))
+                except ValueError:
+                    pass
+        return web.Response(body=body, status=upstream.status, headers={"Content-Type": ctype})
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        ctype: str,
+        req: Request,
+        worker: str,
+        t_arrival: float,
+        outcome: _Outcome,
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+        tail = b""
+        try:
+            async for chunk in upstream.content.iter_any():
+                if not out.prepared:
+                    # prepare lazily: until the first chunk is sent, a failed upstream can still be retried
+                    self.router.first_token(req.id, self._now())
+                    self.metrics.worker(worker).ttft.observe(time.perf_counter() - t_arrival)
+                    await out.prepare(request)
+                await out.write(chunk)
+                tail = (tail + chunk)[-8192:]
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+            if isinstance(exc, ConnectionResetError) and not isinstance(exc, aiohttp.ClientOSError):
+                raise  # the *client* went away (aiohttp's ClientConnectionResetError on write)
+            if not out.prepared:
+                if isinstance(exc, asyncio.TimeoutError):
+                    return self._timeout(worker)
+                raise _RetryableUpstreamError(f"{type(exc).__name__}: {exc}") from None
+            # mid-stream upstream failure or timeout: tell the client in-band and end the stream
+            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_broken"
+            self.metrics.errors.labels(worker, kind).inc()
+            err = RequestError(
+                504 if kind == "timeout" else 502,
+                f"upstream stream ended early: {kind}",
+                err_type="server_error",
+                code=kind,
+            )
+            await out.write(b"data: " + err.json_bytes() + b"\n\n")
+            await out.write_eof()
+            return out
+        if not out.prepared:  # an empty 200 stream
+            await out.prepare(request)
+        await out.write_eof()
+        outcome.ok = True
+        self.health.report_success(worker)
+        self.metrics.worker(worker).e2e.observe(time.perf_counter() - t_arrival)
+        outcome.prompt_tokens, outcome.cached_tokens = _usage_from_sse_tail(tail)
+        return out
+
+    def _timeout(self, worker: str) -> NoReturn:
+        self.metrics.errors.labels(worker, "timeout").inc()
+        raise RequestError(
+            504,
+            "the worker did not answer within the request timeout",
+            err_type="server_error",
+            code="timeout",
+        )
+
+
+class _Outcome:
+    """What the finally-block reports to Router.finish."""
+
+    __slots__ = ("ok", "prompt_tokens", "cached_tokens")
+
+    def __init__(self) -> None:
+        self.ok = False
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+
+
+class _RetryableUpstreamError(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

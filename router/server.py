@@ -1,0 +1,473 @@
+"""``kvroute router``: the HTTP router (aiohttp + uvloop) in front of running SGLang / vLLM / sim workers.
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/generate`` (routed and proxied, streaming or
+not), ``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and the admin API ``/workers`` (GET list,
+POST ``{"url": ...}`` add, DELETE ``?url=...`` remove), guarded by ``--admin-token`` (Bearer).
+
+Every response carries ``X-Request-Id`` (the client's own when it sent a sane one). Every error is JSON in
+the OpenAI error shape. Membership can also change through :class:`RouterService` methods (the Ray
+watcher uses them); all of them run on the event loop thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from kvroute.router.core import Router
+from kvroute.router.health import HealthChecker, normalize_worker_url
+from kvroute.router.http_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvroute.router.http_metrics import RouterMetrics
+from kvroute.router.http_proxy import REQUEST_ID_HEADER, ProxyService
+from kvroute.router.http_validate import RequestError
+
+log = logging.getLogger("kvroute.router")
+
+_REQUEST_ID_KEY = web.RequestKey("request_id", str)
+_SERVICE_KEY = web.AppKey("router_service", object)
+_MAX_CLIENT_ID_LEN = 128
+# generated ids: a random per-process prefix + a counter (unique, and far cheaper than uuid4 per request)
+_ID_PREFIX = f"kvr-{os.urandom(6).hex()}-"
+_ID_COUNTER = itertools.count(1)
+
+
+@dataclass
+class RouterConfig:
+    worker_urls: list[str] = field(default_factory=list)
+    policy: str = "cache_aware"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    admin_token: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    health_fail_threshold: int = 2
+    health_recover_threshold: int = 1
+    max_connections: int = 1024
+    max_attempts: int = 3
+    max_index_chars: int = 10_000_000
+    seed: int | None = None
+    scrape_metrics: bool = True
+
+    def validate(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"--max-body-bytes must be > 0, got {self.max_body_bytes}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout_s}")
+        if self.health_interval_s <= 0:
+            raise ValueError(f"--health-interval must be > 0 seconds, got {self.health_interval_s}")
+        if self.max_connections < 1 or self.max_attempts < 1:
+            raise ValueError("--max-connections and max attempts must be >= 1")
+        if self.admin_token is not None and not self.admin_token:
+            raise ValueError("--admin-token must not be empty")
+        for url in self.worker_urls:
+            normalize_worker_url(url)
+
+
+def request_id_of(request: web.Request) -> str:
+    """The request's id: the client's X-Request-Id when it is sane (<=128 visible ASCII), else a new one."""
+    rid = request.get(_REQUEST_ID_KEY)
+    if rid is None:
+        given = request.headers.get(REQUEST_ID_HEADER)
+        if (
+            given
+            and len(given) <= _MAX_CLIENT_ID_LEN
+            and given.isascii()
+            and given.isprintable()
+            and " " not in given
+        ):
+            rid = given
+        else:
+            rid = f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
+        request[_REQUEST_ID_KEY] = rid
+    return rid
+
+
+def _json_error(err: RequestError) -> web.Response:
+    return web.Response(body=err.json_bytes(), status=err.status, content_type="application/json")
+
+
+@web.middleware
+async def _errors_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every failure leaves as a JSON error body with the right status; the server never crashes."""
+    try:
+        return await handler(request)
+    except RequestError as err:
+        return _json_error(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return _json_error(RequestError(exc.status, exc.reason or "error", err_type=kind))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise  # the client went away: nothing to answer
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return _json_error(RequestError(500, "internal router error", err_type="server_error"))
+
+
+async def _set_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    if REQUEST_ID_HEADER not in response.headers:
+        response.headers[REQUEST_ID_HEADER] = request_id_of(request)
+
+
+class RouterService:
+    """One router: the routing core, the worker registry + health checks, the proxy, metrics, admin API."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        config.validate()
+        self.config = config
+        self.router = Router(
+            config.policy,
+            (),
+            max_index_chars=config.max_index_chars,
+            seed=config.seed,
+            **config.policy_options,
+        )
+        self.session: aiohttp.ClientSession | None = None
+        self.health: HealthChecker | None = None
+        self.proxy: ProxyService | None = None
+        self.metrics = RouterMetrics(self._snapshot, self._health_map)
+        self.app = self._build_app()
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors_middleware], client_max_size=self.config.max_body_bytes)
+        app[_SERVICE_KEY] = self
+        app.on_response_prepare.append(_set_request_id)
+        app.router.add_post("/v1/completions", self._generation("completions", "/v1/completions"))
+        app.router.add_post("/v1/chat/completions", self._generation("chat", "/v1/chat/completions"))
+        app.router.add_post("/generate", self._generation("generate", "/generate"))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health_endpoint)
+        app.router.add_get("/metrics", self._metrics_endpoint)
+        app.router.add_get("/workers", self._workers_list)
+        app.router.add_post("/workers", self._workers_add)
+        app.router.add_delete("/workers", self._workers_remove)
+        app.cleanup_ctx.append(self._lifespan)
+        return app
+
+    async def _lifespan(self, app: web.Application):  # type: ignore[no-untyped-def]
+        connector = aiohttp.TCPConnector(
+            limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=300
+        )
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+        )
+        self.health = HealthChecker(
+            self.router,
+            self.session,
+            interval_s=self.config.health_interval_s,
+            fail_threshold=self.config.health_fail_threshold,
+            recover_threshold=self.config.health_recover_threshold,
+            scrape_metrics=self.config.scrape_metrics,
+        )
+        self.proxy = ProxyService(
+            self.router,
+            self.session,
+            self.health,
+            self.metrics,
+            request_timeout_s=self.config.request_timeout_s,
+            max_body_bytes=self.config.max_body_bytes,
+            max_attempts=self.config.max_attempts,
+        )
+        await asyncio.gather(
+            *(self.health.add(u) for u in dict.fromkeys(map(normalize_worker_url, self.config.worker_urls)))
+        )
+        self.health.start()
+        try:
+            yield
+        finally:
+            await self.health.stop()
+            await self.session.close()
+
+    # ---- membership API (used by the admin endpoints and by the Ray watcher) --------------------------
+    async def add_worker(self, url: str) -> dict[str, Any]:
+        """Register a worker; raises ValueError on a bad URL, KeyError when already registered."""
+        assert self.health is not None, "the app is not running"
+        return (await self.health.add(url)).as_dict()
+
+    def remove_worker(self, url: str) -> dict[str, Any]:
+        """Unregister a worker (in-flight requests on it finish normally); KeyError when unknown."""
+        assert self.health is not None, "the app is not running"
+        return self.health.remove(url).as_dict()
+
+    def list_workers(self) -> list[dict[str, Any]]:
+        assert self.health is not None, "the app is not running"
+        snap = self._snapshot()
+        out = []
+        for w in self.health.workers.values():
+            entry = w.as_dict()
+            entry.update(snap.get(w.url, {}))
+            out.append(entry)
+        return out
+
+    async def sync_workers(self, members: dict[str, str]) -> None:
+        """Make the registered set equal to ``members`` ({worker_id: url}); the Ray watcher's callback."""
+        assert self.health is not None, "the app is not running"
+        wanted = {normalize_worker_url(u) for u in members.values()}
+        for url in list(self.health.workers):
+            if url not in wanted:
+                self.health.remove(url)
+        await asyncio.gather(*(self.health.add(u) for u in wanted if u not in self.health.workers))
+
+    def _snapshot(self) -> dict[str, Any]:
+        return self.router.snapshot(time.monotonic())
+
+    def _health_map(self) -> dict[str, bool]:
+        return self.health.health_map() if self.health is not None else {}
+
+    # ---- handlers ------------------------------------------------------------------------------------
+    def _generation(self, endpoint: Any, path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handler(request: web.Request) -> web.StreamResponse:
+            assert self.proxy is not None
+            return await self.proxy.handle(request, endpoint, path, request_id_of(request))
+
+        return handler
+
+    async def _models(self, request: web.Request) -> web.Response:
+        assert self.session is not None and self.health is not None
+        for url in self.health.healthy_urls():
+            try:
+                async with self.session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    body = await r.read()
+                    if r.status == 200:
+                        return web.Response(body=body, content_type="application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                continue
+        raise RequestError(503, "no healthy worker answered /v1/models", err_type="server_error")
+
+    async def _health_endpoint(self, request: web.Request) -> web.Response:
+        assert self.health is not None
+        healthy = len(self.health.healthy_urls())
+        status = 200 if healthy else 503
+        return web.json_response(
+            {
+                "status": "ok" if healthy else "no healthy worker",
+                "healthy_workers": healthy,
+                "workers": len(self.health.workers),
+            },
+            status=status,
+        )
+
+    async def _metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    def _authorize(self, request: web.Request, *, mutating: bool) -> None:
+        token = self.config.admin_token
+        if token is None:
+            if mutating:
+                raise RequestError(
+                    403,
+                    "the admin API is disabled: start the router with --admin-token",
+                    code="admin_disabled",
+                )
+            return
+        given = request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            raise RequestError(
+                401,
+                "missing or wrong admin token (send 'Authorization: Bearer <token>')",
+                err_type="authentication_error",
+                code="unauthorized",
+            )
+
+    async def _workers_list(self, request: web.Request) -> web.Response:
+        self._authorize(request, mutating=False)
+        return web.json_response({"workers": self.list_workers()})
+
+    async def _url_from(self, request: web.Request) -> str:
+        url = request.query.get("url")
+        if url is None and request.can_read_body:
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                raise RequestError(400, "request body is not valid JSON") from None
+            url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str):
+            raise RequestError(
+                400, 'give the worker as JSON {"url": "http://host:port"} or ?url=', param="url"
+            )
+        try:
+            return normalize_worker_url(url)
+        except ValueError as exc:
+            raise RequestError(400, str(exc), param="url") from None
+
+    async def _workers_add(self, request: web.Request) -> web.Response:
+        self._authorize(request, mutating=True)
+        url = await self._url_from(request)
+        try:
+            info = await self.add_worker(url)
+        except KeyError:
+            raise RequestError(409, f"worker {url} is already registered", code="conflict") from None
+        return web.json_response(info, status=201)
+
+    async def _workers_remove(self, request: web.Request) -> web.Response:
+        self._authorize(request, mutating=True)
+        url = await self._url_from(request)
+        try:
+            info = self.remove_worker(url)
+        except KeyError:
+            raise RequestError(404, f"worker {url} is not registered", code="not_found") from None
+        return web.json_response(info)
+
+
+def create_app(config: RouterConfig) -> web.Application:
+    return RouterService(config).app
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------
+def _parse_option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--policy-option wants key=value, got {text!r}")
+    try:
+        return key, json.loads(value)  # numbers, booleans, lists; anything else stays a string
+    except ValueError:
+        return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvroute router", description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL", help="workers to route to")
+    p.add_argument("--policy", default="cache_aware", help="routing policy (lbgr, cache_aware, ...)")
+    p.add_argument(
+        "--policy-option",
+        action="append",
+        type=_parse_option,
+        default=[],
+        metavar="K=V",
+        help="policy option, repeatable (value parsed as JSON when it is JSON)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--admin-token", default=None, help="token for /workers (Authorization: Bearer TOKEN)")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per upstream request")
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health probes")
+    p.add_argument("--health-fail-threshold", type=int, default=2)
+    p.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
+    p.add_argument("--max-index-chars", type=int, default=10_000_000)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-scrape-metrics", action="store_true", help="do not read workers' /metrics")
+    p.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="follow cluster membership published on Ray (GCS host:port or 'auto')",
+    )
+    p.add_argument("--ray-cluster", default="default", help="cluster name of the Ray membership actor")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def install_uvloop() -> None:
+    """uvloop when available (not on Windows); the stock loop otherwise."""
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+async def serve(
+    config: RouterConfig,
+    host: str,
+    port: int,
+    *,
+    ray_address: str | None = None,
+    ray_cluster: str = "default",
+    ready: Callable[[int], None] | None = None,
+) -> None:
+    """Run the router until cancelled. ``ready(port)`` is called once it listens."""
+    service = RouterService(config)
+    runner = web.AppRunner(service.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    log.info(
+        "router listening on http://%s:%d with policy %s (%d workers)",
+        host,
+        bound,
+        config.policy,
+        len(config.worker_urls),
+    )
+    if ready is not None:
+        ready(bound)
+    watcher: asyncio.Task[None] | None = None
+    if ray_address is not None:
+        from kvroute.router import ray_membership  # only with --ray: Ray is heavy and optional
+
+        watcher = asyncio.get_running_loop().create_task(
+            ray_membership.watch(ray_address, service.sync_workers, cluster=ray_cluster)
+        )
+    try:
+        if watcher is not None:
+            await watcher
+        else:
+            await asyncio.Event().wait()
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = RouterConfig(
+        worker_urls=list(args.worker_urls),
+        policy=args.policy,
+        policy_options=dict(args.policy_option),
+        admin_token=args.admin_token,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
+        health_interval_s=args.health_interval,
+        health_fail_threshold=args.health_fail_threshold,
+        max_connections=args.max_connections,
+        max_index_chars=args.max_index_chars,
+        seed=args.seed,
+        scrape_metrics=not args.no_scrape_metrics,
+    )
+    if not config.worker_urls and args.ray is None:
+        print(
+            "kvroute router: give --worker-urls URL ... or --ray ADDRESS (workers can also be added "
+            "later through POST /workers)",
+            file=sys.stderr,
+        )
+    try:
+        config.validate()
+        Router(config.policy, (), **config.policy_options)  # fail fast on an unknown policy / option
+    except (ValueError, TypeError) as exc:
+        print(f"kvroute router: {exc}", file=sys.stderr)
+        return 2
+    install_uvloop()
+    try:
+        asyncio.run(serve(config, args.host, args.port, ray_address=args.ray, ray_cluster=args.ray_cluster))
+    except KeyboardInterrupt:
+        pass
+    except OSError as exc:
+        print(f"kvroute router: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
