@@ -144,7 +144,9 @@ async def wait_healthy(
         transient=False,
     )
     tasks = [progress.add_task(name, total=1, state="starting") for name in names]
-    overall = progress.add_task(f"[bold]{what}", total=len(names), state=f"0/{len(names)} healthy")
+    overall = None
+    if len(names) > 1:
+        overall = progress.add_task(f"[bold]{what}", total=len(names), state=f"0/{len(names)} healthy")
     healthy = [False] * len(names)
     async with aiohttp.ClientSession() as session:
         with progress:
@@ -162,7 +164,10 @@ async def wait_healthy(
                         raise LaunchError(f"{names[i]} {state}")
                     else:
                         progress.update(tasks[i], state=state)
-                progress.update(overall, completed=sum(healthy), state=f"{sum(healthy)}/{len(names)} healthy")
+                if overall is not None:
+                    progress.update(
+                        overall, completed=sum(healthy), state=f"{sum(healthy)}/{len(names)} healthy"
+                    )
                 if all(healthy):
                     break
                 if time.monotonic() > deadline:
@@ -265,7 +270,8 @@ def print_cluster(
 # ---- the run -------------------------------------------------------------------------------------------------
 async def run(cfg: ClusterConfig, *, console: Console | None = None) -> int:
     """Bring the cluster up, then bench or supervise until a signal; always tear everything down."""
-    out = console or Console()
+    # not a terminal (a log, a test): wide enough that URLs and log paths are never cut
+    out = console or (Console() if sys.stdout.isatty() else Console(width=240))
     err = Console(stderr=True)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
