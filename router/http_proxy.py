@@ -26,6 +26,7 @@ from kvroute.router.types import NoWorkerAvailable, Request
 log = logging.getLogger("kvroute.router.proxy")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+WORKER_HEADER = "X-Kvroute-Worker"  # which worker served the response (load generators count per worker)
 _SSE = "text/event-stream"
 
 
@@ -262,7 +263,9 @@ class ProxyService:
                     outcome.prompt_tokens, outcome.cached_tokens = _usage_from(json.loads(body))
                 except ValueError:
                     pass
-        return web.Response(body=body, status=upstream.status, headers={"Content-Type": ctype})
+        return web.Response(
+            body=body, status=upstream.status, headers={"Content-Type": ctype, WORKER_HEADER: worker}
+        )
 
     async def _stream(
         self,
@@ -274,7 +277,9 @@ class ProxyService:
         t_arrival: float,
         outcome: _Outcome,
     ) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"})
+        out = web.StreamResponse(
+            status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker}
+        )
         tail = b""
         try:
             async for chunk in upstream.content.iter_any():

@@ -260,6 +260,7 @@ class RouterService:
                 "status": "ok" if healthy else "no healthy worker",
                 "healthy_workers": healthy,
                 "workers": len(self.health.workers),
+                "policy": self.router.policy.name,
             },
             status=status,
         )

@@ -265,7 +265,13 @@ class SimWorker:
 
     async def _model_info(self, request: web.Request) -> web.Response:
         return web.json_response(
-            {"model_path": self.model_name, "tokenizer_path": None, "is_generation": True}
+            {
+                "model_path": self.model_name,
+                "tokenizer_path": None,
+                "is_generation": True,
+                "eviction": self.engine.eviction,
+                "preset": self.engine.cost.name,
+            }
         )
 
     async def _models(self, request: web.Request) -> web.Response:
