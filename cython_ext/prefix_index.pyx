@@ -401,6 +401,41 @@ cdef class PrefixIndex:
         node.parent = NULL
         return 0
 
+    cdef int _try_merge(self, _Node node) except -1:
+        """Merges ``node`` with its only child when both have the same holders (keeps the tree canonical
+        after removals, so a removed worker leaves no split points behind). The merged node takes the
+        child's last-use times (the older ones: a path's deeper node is never used more recently)."""
+        cdef _Node child
+        cdef int i, cnt, b, slot
+        cdef uint64_t bits
+        if node is self.root or not node.alive or node.children is None or len(node.children) != 1:
+            return 0
+        child = <_Node>next(iter(node.children.values()))
+        for i in range(NWORDS):
+            if node.mask[i] != child.mask[i]:
+                return 0
+        cnt = _count(node)
+        memcpy(node.times, child.times, cnt * sizeof(double))
+        node.edge = node.edge + child.edge
+        node.children = child.children
+        if node.children is not None:
+            for grandchild in node.children.values():
+                (<_Node>grandchild).parent = <void*>node
+        child.children = None
+        child.alive = False
+        child.parent = NULL
+        self.node_count -= 1
+        self._entries -= cnt
+        for i in range(NWORDS):  # the child's heap entries died with it: re-offer the merged node
+            bits = node.mask[i]
+            while bits:
+                b = __builtin_ctzll(bits)
+                slot = i * 64 + b
+                if self._is_leaf_for(node, slot):
+                    self._push(node, slot)
+                bits &= bits - 1
+        return 0
+
     cdef int _drop(self, _Node node, int slot) except -1:
         """Removes ``slot`` from a node that is a leaf for it; frees the node if nobody holds it."""
         cdef _Node parent = <_Node>node.parent
@@ -409,8 +444,14 @@ cdef class PrefixIndex:
         self._entries -= 1
         if _empty(node):
             self._unlink(node)
-        if parent is not self.root and self._is_leaf_for(parent, slot):
-            self._push(parent, slot)
+            if parent is not self.root and self._is_leaf_for(parent, slot):
+                self._push(parent, slot)
+            self._try_merge(parent)
+        else:
+            self._try_merge(node)
+            if parent is not self.root and self._is_leaf_for(parent, slot):
+                self._push(parent, slot)
+            self._try_merge(parent)
         return 0
 
     cdef int _trim(self) except -1:
@@ -459,6 +500,10 @@ cdef class PrefixIndex:
             self._entries -= 1
             if _empty(node):
                 self._unlink(node)
+        for j in range(len(order) - 1, -1, -1):  # then re-canonicalize what the worker had split
+            node = <_Node>order[j]
+            if node.alive:
+                self._try_merge(node)
         self._worker_chars[slot] = 0
         del self._slot_of[worker]
         self._name_of[slot] = None

@@ -86,12 +86,24 @@ class Router:
         Raises ``NoWorkerAvailable`` when no worker is eligible, ``ValueError`` if the request id is
         still in flight (finish it first).
         """
+        view = self._decide(request, now, exclude)
+        self._dispatch(request, view, now)
+        return view.id
+
+    def decide(self, request: Request, now: float, exclude: Collection[str] = ()) -> str:
+        """The worker ``route`` would choose, without dispatching (no state changes except the policy's
+        random stream and any bounded training increment the policy does in ``choose``)."""
+        return self._decide(request, now, exclude).id
+
+    def _decide(self, request: Request, now: float, exclude: Collection[str]) -> WorkerView:
         if not isinstance(request, Request):
             raise TypeError(f"request must be a Request, got {type(request).__name__}")
         if self.state.in_flight_record(request.id) is not None:
             raise ValueError(
                 f"request {request.id!r} is already in flight; finish it before routing it again"
             )
+        if isinstance(exclude, str):
+            raise TypeError("exclude must be a collection of worker ids, not a single str")
         eligible = [w for w in self.workers if w not in exclude] if exclude else self.workers
         if not eligible:
             raise NoWorkerAvailable(
@@ -99,15 +111,12 @@ class Router:
                 + (f" (excluded: {sorted(exclude)})" if exclude else " (none registered)")
             )
         matches = self.index.match(request.text) if request.text else {}
-        index = self.index
-        view_of = self.state.view
-        views = [view_of(w, now, matches.get(w, 0), index.worker_chars(w)) for w in eligible]
+        views = self.state.views(eligible, now, matches, self.index.worker_chars)
         chosen = self.policy.choose(request, views, now)
-        view = next((v for v in views if v.id == chosen), None)
-        if view is None:
-            raise RuntimeError(f"policy {self.policy.name!r} chose {chosen!r}, not an eligible worker")
-        self._dispatch(request, view, now)
-        return chosen
+        for view in views:
+            if view.id == chosen:
+                return view
+        raise RuntimeError(f"policy {self.policy.name!r} chose {chosen!r}, not an eligible worker")
 
     def _dispatch(self, request: Request, view: WorkerView, now: float) -> None:
         cached_tokens = min(request.est_tokens, self._chars_to_tokens(view.match_chars, request))

@@ -11,7 +11,7 @@ Pure bookkeeping: the caller passes the time. Invariants (checked by tests):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -154,6 +154,38 @@ class Dispatch:
     first_token_at: float | None = None
 
 
+_new_object = object.__new__
+# Slot setters of the frozen WorkerView, bound once: building a view through them is ~3x faster than
+# the dataclass __init__ (which goes through object.__setattr__ per field) — views are built per worker
+# per routing decision, so this is on the hot path.
+_set_view_fields = tuple(
+    getattr(WorkerView, name).__set__
+    for name in ("id", "in_flight", "queued_prefill_tokens", "load", "match_chars", "metrics", "index_chars")
+)
+
+
+def make_view(
+    worker_id: str,
+    in_flight: int,
+    queued_prefill_tokens: int,
+    load: float,
+    match_chars: int,
+    metrics: Mapping[str, float],
+    index_chars: int,
+) -> WorkerView:
+    """Same result as ``WorkerView(...)`` (all fields set, instance frozen), built faster."""
+    view = _new_object(WorkerView)
+    s_id, s_inflight, s_queued, s_load, s_match, s_metrics, s_index = _set_view_fields
+    s_id(view, worker_id)
+    s_inflight(view, in_flight)
+    s_queued(view, queued_prefill_tokens)
+    s_load(view, load)
+    s_match(view, match_chars)
+    s_metrics(view, metrics)
+    s_index(view, index_chars)
+    return view
+
+
 class ClusterState:
     """Per-worker counters and per-request dispatch records (see module docstring for invariants)."""
 
@@ -207,6 +239,32 @@ class ClusterState:
             w.metrics,
             index_chars,
         )
+
+    def views(
+        self,
+        worker_ids: Iterable[str],
+        now: float,
+        matches: Mapping[str, int],
+        index_chars: Callable[[str], int],
+    ) -> list[WorkerView]:
+        """Views of ``worker_ids`` at ``now`` with their prefix matches (the per-decision hot path)."""
+        out: list[WorkerView] = []
+        workers = self._workers
+        get_match = matches.get
+        for wid in worker_ids:
+            w = workers[wid]
+            out.append(
+                make_view(
+                    wid,
+                    w.in_flight,
+                    w.queued_prefill_tokens,
+                    w.load.value(now),
+                    get_match(wid, 0),
+                    w.metrics,
+                    index_chars(wid),
+                )
+            )
+        return out
 
     # -- request lifecycle ---------------------------------------------------------------------------
     def in_flight_record(self, request_id: str) -> Dispatch | None:
