@@ -184,7 +184,9 @@ class ClusterSim:
                 req = payload
                 chosen = router.route(Request(req.id, req.text, len(req.tokens), req.max_tokens), now)
                 records[req.id].worker = chosen
-                engines[chosen].submit(req.id, req.tokens, req.max_tokens, now)
+                meta = getattr(req, "meta", None)
+                output = meta.get("output") if meta else None
+                engines[chosen].submit(req.id, req.tokens, req.max_tokens, now, output=output)
                 if not busy[chosen]:
                     start_step(chosen, now)
             elif kind == _STEP_END:

@@ -169,8 +169,19 @@ class EngineModel:
         }
 
     # -- requests ------------------------------------------------------------------------------------
-    def submit(self, req_id: str, tokens: Sequence[int], max_tokens: int, now: float) -> None:
-        """Queue a request (FCFS). Raises ValueError for a duplicate id or a request that can never fit."""
+    def submit(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        max_tokens: int,
+        now: float,
+        output: Sequence[int] | None = None,
+    ) -> None:
+        """Queue a request (FCFS). Raises ValueError for a duplicate id or a request that can never fit.
+
+        ``output``: the tokens to generate (a replayed trace's outputs), at least ``max_tokens`` of them;
+        default: ``simulated_output(req_id, max_tokens)``.
+        """
         if not isinstance(req_id, str) or not req_id:
             raise ValueError(f"req_id must be a non-empty str, got {req_id!r}")
         if req_id in self._live:
@@ -184,7 +195,18 @@ class EngineModel:
                 f"request {req_id!r} needs {len(tokens) + max_tokens} KV slots, more than the pool's "
                 f"{self.kv_capacity_tokens}"
             )
+        if output is not None:
+            if len(output) < max_tokens:
+                raise ValueError(
+                    f"request {req_id!r}: output has {len(output)} tokens, max_tokens is {max_tokens}"
+                )
+            planned = [int(t) for t in output[:max_tokens]]
+            if any(t < 0 for t in planned):
+                raise ValueError(f"request {req_id!r}: output token ids must be >= 0")
+        else:
+            planned = simulated_output(req_id, max_tokens)
         req = _Req(req_id, tokens, max_tokens, now)
+        req.planned_output = planned
         self._live[req_id] = req
         self._waiting.append(req)
 
@@ -268,7 +290,6 @@ class EngineModel:
             req.computed += n
             result.prefill_tokens += n
             if req.computed == len(req.tokens):
-                req.planned_output = simulated_output(req.req_id, req.max_tokens)
                 token = req.planned_output[0]
                 req.output.append(token)
                 result.first_tokens.append(req.req_id)
