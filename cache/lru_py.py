@@ -153,6 +153,21 @@ class LruPyCache:
                 heapq.heappush(leaves, parent)
         return freed
 
+    def _peek(self, tokens: Sequence[int]) -> int:
+        """Longest cached prefix without touching or splitting anything (tests)."""
+        key = self._tokens(tokens)
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key[pos:]))
+            if child is None:
+                break
+            m = self._key_match(child.key, key[pos:])
+            pos += m
+            if m < len(child.key):
+                break
+            node = child
+        return pos
+
     def _collect_leaves(self) -> list[PyNode]:
         leaves, stack = [], list(self.root.children.values())
         while stack:

@@ -611,15 +611,23 @@ cdef class RadixTree:
     cdef Py_ssize_t _evict_rlt(self, Py_ssize_t want) except -1:
         """Evict one page of a uniformly drawn unmarked unlocked leaf per draw until ``want`` is freed."""
         cdef Py_ssize_t freed = 0, p = self.page
+        cdef bint last_path = False
         cdef Node n
         while freed < want:
-            if self.n_unmarked == 0:
+            if self.n_unmarked == 0 and not last_path:
                 if self.n_arr == 0:
                     break
                 self._new_phase()
-                if self.n_unmarked == 0:
+                # only the most recently accessed path is left (all else locked or gone): as an
+                # explicit evict() must free what it can, its marked leaves go too, uniformly drawn
+                last_path = self.n_unmarked == 0
+            if last_path:
+                if self.n_arr == 0:
                     break
-            n = <Node>self.arr[self._rand_below(self.n_unmarked)]
+                n = <Node>self.arr[self._rand_below(self.n_arr)]
+                self.marked -= p
+            else:
+                n = <Node>self.arr[self._rand_below(self.n_unmarked)]
             n.length -= p
             freed += p
             if n.length == 0:
