@@ -261,6 +261,7 @@ def connect(address: str) -> None:
     """Connect as a driver: 'auto' joins a running cluster or else starts a local one; else host:port."""
     if ray.is_initialized():
         return
+    ray_membership.prepare_driver_env()
     common = {"namespace": ray_membership.NAMESPACE, "logging_level": logging.WARNING, "log_to_driver": False}
     if address == "auto":
         try:
@@ -269,5 +270,6 @@ def connect(address: str) -> None:
         except ConnectionError:
             pass  # no running cluster: start one for the lifetime of this launcher
         ray.init(include_dashboard=False, **common)
+        ray_membership.prepare_driver_env()  # the new cluster's token now exists: routers need it
         return
     ray.init(address=address, **common)

@@ -19,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import ray
 
@@ -94,12 +96,31 @@ def get_or_create(cluster: str = DEFAULT_CLUSTER, ttl_s: float = DEFAULT_TTL_S) 
     return Membership.options(name=actor_name(cluster), namespace=NAMESPACE, get_if_exists=True).remote(ttl_s)
 
 
+def prepare_driver_env() -> None:
+    """Environment for a Ray driver that joins an existing cluster; children (routers) inherit it.
+
+    Ray 2.5x clusters use token auth by default (token in ~/.ray/auth_token), but a second driver only
+    sends the token when RAY_AUTH_MODE=token; a token sent to a cluster without auth is accepted, so
+    sending it whenever one exists is safe. Ray's failure-signal handler would print a stack dump on
+    every SIGTERM, which is how the launcher stops routers: turn it off.
+    """
+    token_available = (
+        "RAY_AUTH_TOKEN" in os.environ
+        or "RAY_AUTH_TOKEN_PATH" in os.environ
+        or (Path.home() / ".ray" / "auth_token").is_file()
+    )
+    if token_available:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+
 def connect(address: str) -> None:
     """Connect this process to the Ray cluster at ``address`` (a GCS ``host:port`` or ``auto``) once."""
     if ray.is_initialized():
         return
     if not address:
         raise ValueError("a Ray address is needed (GCS host:port, or 'auto')")
+    prepare_driver_env()
     ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
 
 
