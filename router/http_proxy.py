@@ -133,6 +133,9 @@ class ProxyService:
                 request_id,
                 t_arrival,
             )
+        except asyncio.CancelledError:  # the client disconnected (aiohttp cancels the handler)
+            self.metrics.client_disconnects.inc()
+            raise
         finally:
             self._active.discard(key)
 
@@ -283,16 +286,18 @@ class ProxyService:
         tail = b""
         try:
             async for chunk in upstream.content.iter_any():
-                if not out.prepared:
-                    # prepare lazily: until the first chunk is sent, a failed upstream can still be retried
-                    self.router.first_token(req.id, self._now())
-                    self.metrics.worker(worker).ttft.observe(time.perf_counter() - t_arrival)
-                    await out.prepare(request)
-                await out.write(chunk)
+                try:
+                    if not out.prepared:
+                        # prepare lazily: until the first chunk is sent, a failed upstream can be retried
+                        self.router.first_token(req.id, self._now())
+                        self.metrics.worker(worker).ttft.observe(time.perf_counter() - t_arrival)
+                        await out.prepare(request)
+                    await out.write(chunk)
+                except ConnectionResetError:  # the client went away; leaving closes the upstream too
+                    self.metrics.client_disconnects.inc()
+                    return out
                 tail = (tail + chunk)[-8192:]
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
-            if isinstance(exc, ConnectionResetError) and not isinstance(exc, aiohttp.ClientOSError):
-                raise  # the *client* went away (aiohttp's ClientConnectionResetError on write)
             if not out.prepared:
                 if isinstance(exc, asyncio.TimeoutError):
                     return self._timeout(worker)

@@ -51,6 +51,7 @@ class _Pending:
     done: bool = False
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    error: str | None = None
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -104,8 +105,14 @@ class EngineMetrics:
         self._cached_total = 0
 
     def finished(
-        self, prompt_tokens: int, cached_tokens: int, output_tokens: int, ttft: float | None, e2e: float
+        self,
+        prompt_tokens: int,
+        cached_tokens: int,
+        output_tokens: int,
+        ttft: float | None,
+        e2e: float | None,
     ) -> None:
+        """One finished request; ttft/e2e are None when its client had gone (only the tokens count)."""
         self.sg_prompt.inc(prompt_tokens)
         self.sg_cached.inc(cached_tokens)
         self.sg_generation.inc(output_tokens)
@@ -119,7 +126,8 @@ class EngineMetrics:
         self.sg_hit_rate.set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
         if ttft is not None:
             self.sg_ttft.observe(ttft)
-        self.sg_e2e.observe(e2e)
+        if e2e is not None:
+            self.sg_e2e.observe(e2e)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -154,6 +162,8 @@ class SimWorker:
 
     # ---- engine loop ------------------------------------------------------------------------------------
     async def _engine_loop(self) -> None:
+        """Step, sleep the step's duration, deliver its events; forever. A bug in one step fails the
+        requests in flight (HTTP 500) instead of silently stopping the engine."""
         assert self._wake is not None
         next_start = self.clock()
         while True:
@@ -161,19 +171,31 @@ class SimWorker:
                 self._wake.clear()
                 await self._wake.wait()
                 next_start = self.clock()
-            # a step starts when the previous one ended, or now if we fell behind (no debt accumulates)
-            start = max(next_start, self.clock())
-            result = self.engine.step(start)
-            next_start = start + result.duration
-            delay = next_start - self.clock()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            elif result.duration == 0 and not (result.tokens or result.finished):
-                await asyncio.sleep(0.001)  # nothing could run (pool full): do not spin
-            else:
-                await asyncio.sleep(0)  # let the HTTP handlers run between steps
-            self._deliver(result, next_start)
-            self._update_gauges()
+            try:
+                next_start = await self._one_step(next_start)
+            except Exception as exc:
+                log.exception("engine step failed; failing the requests in flight")
+                for p in list(self.pending.values()):
+                    p.error = f"engine failure: {type(exc).__name__}"
+                    p.done = True
+                    p.changed.set()
+                    self.abandon(p)
+
+    async def _one_step(self, next_start: float) -> float:
+        # a step starts when the previous one ended, or now if we fell behind (no debt accumulates)
+        start = max(next_start, self.clock())
+        result = self.engine.step(start)
+        end = start + result.duration
+        delay = end - self.clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        elif result.duration == 0 and not (result.tokens or result.finished):
+            await asyncio.sleep(0.001)  # nothing could run (pool full): do not spin
+        else:
+            await asyncio.sleep(0)  # let the HTTP handlers run between steps
+        self._deliver(result, end)
+        self._update_gauges()
+        return end
 
     def _deliver(self, result: StepResult, at: float) -> None:
         for rid in result.first_tokens:
@@ -311,6 +333,8 @@ class SimWorker:
                 if parsed.stream:
                     return await self._stream(request, parsed, body, p)
                 await self._wait_done(p)
+                if p.error is not None:
+                    raise RequestError(500, p.error, err_type="server_error")
                 return web.json_response(self._final_body(parsed, p))
             finally:
                 self.abandon(p)  # no-op when it finished; drops (and aborts) it when the client left
@@ -407,6 +431,14 @@ class SimWorker:
     async def _stream(
         self, request: web.Request, parsed: ParsedRequest, body: dict[str, Any], p: _Pending
     ) -> web.StreamResponse:
+        try:
+            return await self._stream_body(request, parsed, body, p)
+        except ConnectionResetError:  # the client hung up mid-stream; the handler's finally aborts it
+            return web.Response(status=499)
+
+    async def _stream_body(
+        self, request: web.Request, parsed: ParsedRequest, body: dict[str, Any], p: _Pending
+    ) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await out.prepare(request)
         opts = body.get("stream_options")
@@ -420,6 +452,10 @@ class SimWorker:
                 p.changed.clear()
                 await p.changed.wait()
                 continue
+            if p.error is not None:
+                await out.write(_sse(RequestError(500, p.error, err_type="server_error").body()))
+                await out.write_eof()
+                return out
             new, sent = p.tokens[sent:], len(p.tokens)
             last = p.done
             if new or last:
