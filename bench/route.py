@@ -261,9 +261,7 @@ def _parse_ints(text: str, name: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(
-            f"kvroute bench route: --{name} must be comma-separated integers, got {text!r}"
-        ) from None
+        raise ValueError(f"--{name} must be comma-separated integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"--{name} values must be positive, got {text!r}")
     return values

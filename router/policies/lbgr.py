@@ -22,7 +22,9 @@ released code learned alone.
 Anti-herding: a residual changes only when that worker's requests finish, so a worker that gets no
 traffic would keep a stale residual forever (a stale positive residual starves it; an independent
 prototype of the bias-only version sent hundreds of requests in a row to one worker). Residuals are
-therefore aged toward zero with half-life ``residual_half_life_s`` since the worker's last observation;
+therefore aged toward zero with half-life ``residual_half_life_s`` once ``residual_stale_after_s`` have
+passed since the worker's last observation (a worker that keeps finishing requests is never aged, so
+aging does not bias a well-fed model);
 on the next observation the model itself is shrunk by the same factor and its covariance moved back
 toward the prior, so fresh data dominates. The estimate is floored at S_i (the residual may not make
 a worker look cheaper than its service time alone), so no residual can make a worker look free.
@@ -110,6 +112,7 @@ class LBGRPolicy(SeededPolicy):
         forgetting: float = 0.992,
         rls_p0: float = 10.0,
         residual_half_life_s: float = 5.0,
+        residual_stale_after_s: float = 2.0,
         learn_residual: bool = True,
         chars_per_token_prior: float = 4.0,
     ) -> None:
@@ -129,6 +132,9 @@ class LBGRPolicy(SeededPolicy):
         self.forgetting = forgetting
         self.rls_p0 = rls_p0
         self.residual_half_life_s = residual_half_life_s
+        if residual_stale_after_s < 0:
+            raise ValueError(f"lbgr: residual_stale_after_s must be >= 0, got {residual_stale_after_s}")
+        self.residual_stale_after_s = residual_stale_after_s
         self._age_rate = math.log(2.0) / residual_half_life_s
         self.learn_residual = learn_residual
         self.chars_per_token = CharsPerTokenEstimator(chars_per_token_prior)
@@ -161,7 +167,7 @@ class LBGRPolicy(SeededPolicy):
         w = self._workers.get(worker_id)
         if w is None or w.last_update is None:
             return 1.0
-        dt = now - w.last_update
+        dt = now - w.last_update - self.residual_stale_after_s
         return math.exp(-self._age_rate * dt) if dt > 0 else 1.0
 
     def residual(self, worker_id: str, s: float, load: float, in_flight: int, now: float) -> float:
@@ -170,7 +176,7 @@ class LBGRPolicy(SeededPolicy):
             return 0.0
         t = w.model.theta
         r = t[0] * s + t[1] * load + t[2] * in_flight + t[3]
-        dt = now - w.last_update
+        dt = now - w.last_update - self.residual_stale_after_s
         return r * math.exp(-self._age_rate * dt) if dt > 0 else r
 
     def estimate(self, request: Request, view: WorkerView, now: float) -> float:
@@ -193,6 +199,7 @@ class LBGRPolicy(SeededPolicy):
             tokens_per_char = (L / len(request.text)) if request.text and L > 0 else 0.0
         models = self._workers
         age_rate = self._age_rate
+        stale_after = self.residual_stale_after_s
         use_residual = self.learn_residual
         best = math.inf
         ties: list[str] = []
@@ -209,7 +216,7 @@ class LBGRPolicy(SeededPolicy):
                 if w is not None and w.last_update is not None:
                     t = w.model.theta
                     r = t[0] * s + t[1] * v.load + t[2] * v.in_flight + t[3]
-                    dt = now - w.last_update
+                    dt = now - w.last_update - stale_after
                     if dt > 0:
                         r *= math.exp(-age_rate * dt)
                     est += r
@@ -251,8 +258,10 @@ class LBGRPolicy(SeededPolicy):
     def observe(self, worker_id: str, x: Sequence[float], y: float, now: float) -> None:
         """One residual observation for ``worker_id``: features ``x`` (S, W, n, 1), target ``y``."""
         w = self._worker(worker_id)
-        if w.last_update is not None and now > w.last_update:
-            w.model.shrink(math.exp(-self._age_rate * (now - w.last_update)))
+        if w.last_update is not None:
+            factor = self.age_factor(worker_id, now)
+            if factor < 1.0:
+                w.model.shrink(factor)
         w.model.update(x, y)
         w.last_update = now if w.last_update is None else max(now, w.last_update)
 

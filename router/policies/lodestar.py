@@ -164,7 +164,7 @@ class LodestarPolicy(SeededPolicy):
         hidden: int = 128,
         depth: int = 3,
         epochs: int = 3,
-        batch_size: int = 128,
+        batch_size: int = 64,
         lr: float = 1e-3,
         dropout: float = 0.1,
         steps_per_call: int = 1,
