@@ -217,6 +217,8 @@ def bench_command(cfg: ClusterConfig, url: str) -> list[str]:
         argv += ["--rate", str(cfg.bench_rate)]
     if cfg.bench_num is not None:
         argv += ["--num", str(cfg.bench_num)]
+    if cfg.admin_token:
+        argv += ["--admin-token", cfg.admin_token]  # so the report can read the router's /workers
     return argv + list(cfg.bench_args)
 
 

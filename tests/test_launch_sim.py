@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -102,4 +103,37 @@ def test_sigterm_while_starting_leaves_nothing(tmp_path: Path) -> None:
     rc = launch.stop(signal.SIGTERM)
     assert rc != 0 or "stopped." in launch.output()
     assert "stopped." in launch.output(), launch.output()
+    assert_no_leftovers(launch.launch_id)
+
+
+def test_launch_with_bench_reports_and_shuts_down(tmp_path: Path) -> None:
+    report = tmp_path / "serve.json"
+    launch = Launch(
+        [
+            "--workers",
+            "2",
+            "--policy",
+            "cache_aware",
+            "--eviction",
+            "rlt",
+            "--bench",
+            "gsp",
+            "--num",
+            "12",
+            "--rate",
+            "40",
+            f"--bench-arg=--output={report}",
+            "--bench-arg=--no-progress",
+        ],
+        tmp_path / "logs",
+    )
+    rc = launch.proc.wait(timeout=240)
+    launch.stop()
+    assert rc == 0, launch.output()
+    rows = json.loads(report.read_text())
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["workload"], row["policy"], row["eviction"]) == ("gsp", "cache_aware", "rlt")
+    assert row["p50_ttft_ms"] > 0 and row["throughput_rps"] > 0
+    assert "P50 TTFT" in launch.output() and "stopped." in launch.output()  # the report is printed
     assert_no_leftovers(launch.launch_id)
