@@ -12,6 +12,7 @@ evicted tokens, ns per evicted token, requests/s), or ``--json``; ``--plot`` dra
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import sys
@@ -259,17 +260,19 @@ def latency(
     on_progress: Callable[[int], None] | None = None,
 ) -> LatencyResult:
     """Fill a cache to ``capacity`` with a random tree (new ``segment``-token branches off random
-    points of earlier sequences, ~2 nodes per branch), then time ``evictions`` single-page evictions,
-    each followed by an (untimed) insert of as many fresh tokens as were freed, so the tree stays full.
+    points of earlier sequences, ~1.7 nodes per branch), then time ``evictions`` single-page
+    evictions; every ``segment`` freed tokens are refilled (untimed) with one more such branch, so the
+    tree keeps its size and shape. The garbage collector stays on, as in a server.
     """
     rng = random.Random(seed)
     cache = make_cache(policy, capacity, [], seed, page_size)
-    seqs: list[list[int]] = []
+    # tuples of ints drop out of the cyclic GC, so the bench's own bookkeeping adds no GC pauses
+    seqs: list[tuple[int, ...]] = []
 
-    def fresh(n: int) -> list[int]:
-        return [rng.randrange(VOCAB) for _ in range(n)]
+    def fresh(n: int) -> tuple[int, ...]:
+        return tuple(rng.randrange(VOCAB) for _ in range(n))
 
-    def branch(n_new: int) -> list[int]:
+    def branch(n_new: int) -> tuple[int, ...]:
         if not seqs or rng.random() < 0.02:
             return fresh(n_new)
         base = seqs[rng.randrange(len(seqs))]
@@ -285,13 +288,15 @@ def latency(
     nodes_before = _count_nodes(cache)
     samples = np.empty(evictions, dtype=np.int64)
     clock = time.perf_counter_ns
+    pending = 0
+    gc.collect()
     for i in range(evictions):
         t0 = clock()
-        freed = cache.evict(page_size)
+        pending += cache.evict(page_size)
         samples[i] = clock() - t0
-        if freed:
-            seq = branch(freed)
-            cache.insert(seq)
+        while pending >= segment:  # refill as the tree was built, so its shape and size stay put
+            seq = branch(segment)
+            pending -= cache.insert(seq)
             seqs[rng.randrange(len(seqs))] = seq
         if on_progress is not None and (i + 1) % 100 == 0:
             on_progress(100)
@@ -412,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=20,
         help="tokens per new branch while filling (~2 nodes per branch)",
     )
-    parser.add_argument("--latency-evictions", type=_positive, default=20_000)
+    parser.add_argument("--latency-evictions", type=_positive, default=10_000)
     parser.add_argument("--page-size", type=_positive, default=1, help="page size for --latency")
     parser.add_argument("--groups", type=_positive, default=64, help="GSP groups")
     parser.add_argument("--queries", type=_positive, default=32, help="GSP queries per group")
