@@ -263,15 +263,15 @@ async def run_serve(cfg: ServeConfig) -> tuple[dict[str, Any], list[RequestRecor
     """Run the load; returns (report row, per-request records)."""
     if cfg.endpoint not in ENDPOINTS:
         raise ValueError(f"unknown endpoint {cfg.endpoint!r}; choose one of {', '.join(ENDPOINTS)}")
+    if cfg.num is not None and cfg.num < 1:
+        raise ValueError(f"--num must be >= 1, got {cfg.num}")
+    base = normalize_worker_url(cfg.url)  # check the cheap things before generating the workload
     options = dict(cfg.workload_options or {})
     options.setdefault("rate", cfg.rate)
     options.setdefault("seed", cfg.seed)
     requests = make_workload(cfg.workload, **options)
     if cfg.num is not None:
-        if cfg.num < 1:
-            raise ValueError(f"--num must be >= 1, got {cfg.num}")
         requests = requests[: cfg.num]
-    base = normalize_worker_url(cfg.url)
     target = base + ENDPOINTS[cfg.endpoint]
     connector = aiohttp.TCPConnector(limit=cfg.max_connections)
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)

@@ -139,6 +139,13 @@ def _ids_text(ids: list[int]) -> str:
     return " ".join(map(str, ids))
 
 
+def _is_union_tag(part: object) -> bool:
+    """pydantic puts the tried union member into error locations ('str', 'list[int]', '_ContentPart')."""
+    return isinstance(part, str) and (
+        part in ("str", "int", "bool", "none") or "[" in part or part.startswith("_")
+    )
+
+
 def _describe(exc: ValidationError) -> RequestError:
     err = exc.errors(include_url=False)[0]
     if err["type"] == "json_invalid":
@@ -147,7 +154,7 @@ def _describe(exc: ValidationError) -> RequestError:
         )
     if err["type"] == "model_type" and not err["loc"]:
         return RequestError(400, "request body must be a JSON object")
-    loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p.startswith(("list[", "str"))))
+    loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
     param = str(err["loc"][0]) if err["loc"] else None
     return RequestError(400, f"invalid field '{loc}': {err['msg']}", param=param)
 
