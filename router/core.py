@@ -208,7 +208,7 @@ class Router:
             out[w.id] = {
                 "in_flight": float(w.in_flight),
                 "queued_prefill_tokens": float(w.queued_prefill_tokens),
-                "load": w.load._value,
+                "load": w.load.last_value,
                 "requests": float(w.requests),
                 "errors": float(w.errors),
             }

@@ -81,6 +81,11 @@ class DecayedLoad:
     def reset(self) -> None:
         self._value = 0.0
 
+    @property
+    def last_value(self) -> float:
+        """The load as of its last update (no decay applied since)."""
+        return self._value
+
 
 class CharsPerTokenEstimator:
     """Characters-per-token ratio learned from observed (prompt characters, prompt tokens) pairs.

@@ -166,3 +166,15 @@ def test_bad_options_are_rejected() -> None:
         make_policy("lbgr", c_miss_ms_per_1k=-1.0)
     with pytest.raises(ValueError, match="valid options: c_hit_ms_per_1k"):
         make_policy("lbgr", gamma=0.9)
+
+
+def test_bias_only_variant_learns_only_the_intercept() -> None:
+    r = Router("lbgr", ["a"], seed=0, residual_features="bias")
+    for i in range(200):
+        r.route(Request(str(i), f"{i} " + "x" * 400, 100), float(i))
+        r.finish(str(i), float(i) + 0.7, True)
+    theta = r.policy.theta("a")
+    assert theta[:3] == [0.0, 0.0, 0.0]
+    assert theta[3] == pytest.approx(0.7 - r.policy.service_time(Request("q", "y" * 400, 100), 0), abs=0.02)
+    with pytest.raises(ValueError, match="residual_features"):
+        make_policy("lbgr", residual_features="quadratic")

@@ -61,12 +61,12 @@ def test_training_runs_in_bounded_increments_never_inside_choose() -> None:
     rng = random.Random(0)
     teach(p, 200, rng)
     assert p.training and p.model is None
-    steps_before = p._round.steps_left
+    steps_before = p.training_steps_left
     req = Request("r", "x" * 400, 100)
     p.choose(req, [WorkerView("a", 0, 0, 0.0, 0)], 0.0)
-    assert p._round.steps_left == steps_before  # choose does no training work
+    assert p.training_steps_left == steps_before  # choose does no training work
     p.on_finish("unknown", "a", 0.0, True, None, 0.1, prompt_chars=1)
-    assert p._round.steps_left == steps_before - 2  # one lifecycle call: at most steps_per_call steps
+    assert p.training_steps_left == steps_before - 2  # one lifecycle call: at most steps_per_call steps
     p.train_until_ready()
     assert p.model is not None and p.rounds_completed == 1
 

@@ -40,6 +40,9 @@ from kvroute.router.state import CharsPerTokenEstimator
 from kvroute.router.types import Request, WorkerView
 
 N_FEATURES = 4  # S, W, in-flight, bias
+# "full": theta . [S, W, n, 1] (the paper's model); "bias": only the intercept is learned (the released
+# fzwark/KVRouting code; features are fed as zeros so their coefficients stay exactly 0)
+RESIDUAL_FEATURES = ("full", "bias")
 
 
 class RLS:
@@ -114,6 +117,7 @@ class LBGRPolicy(SeededPolicy):
         residual_half_life_s: float = 5.0,
         residual_stale_after_s: float = 2.0,
         learn_residual: bool = True,
+        residual_features: str = "full",
         chars_per_token_prior: float = 4.0,
     ) -> None:
         super().__init__()
@@ -136,7 +140,12 @@ class LBGRPolicy(SeededPolicy):
             raise ValueError(f"lbgr: residual_stale_after_s must be >= 0, got {residual_stale_after_s}")
         self.residual_stale_after_s = residual_stale_after_s
         self._age_rate = math.log(2.0) / residual_half_life_s
+        if residual_features not in RESIDUAL_FEATURES:
+            raise ValueError(
+                f"lbgr: residual_features must be one of {list(RESIDUAL_FEATURES)}, got {residual_features!r}"
+            )
         self.learn_residual = learn_residual
+        self.residual_features = residual_features
         self.chars_per_token = CharsPerTokenEstimator(chars_per_token_prior)
         self._workers: dict[str, _Worker] = {}
         # request id -> (worker, features at dispatch, S + W at dispatch)
@@ -231,7 +240,10 @@ class LBGRPolicy(SeededPolicy):
 
     def on_dispatch(self, request: Request, worker: WorkerView, now: float) -> None:
         s = self.service_time(request, worker.match_chars)
-        x = (s, worker.load, float(worker.in_flight), 1.0)
+        if self.residual_features == "full":
+            x = (s, worker.load, float(worker.in_flight), 1.0)
+        else:
+            x = (0.0, 0.0, 0.0, 1.0)
         self._pending[request.id] = (worker.id, x, s + worker.load)
 
     def on_finish(

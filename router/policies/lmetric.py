@@ -45,16 +45,16 @@ class LMetricPolicy(SeededPolicy):
 
     def on_finish(
         self,
-        request_id,
-        worker_id,
-        now,
-        ok,
-        ttft,
-        e2e,
+        request_id: str,
+        worker_id: str,
+        now: float,
+        ok: bool,
+        ttft: float | None,
+        e2e: float,
         *,
-        prompt_chars,
-        prompt_tokens=None,
-        cached_tokens=None,
+        prompt_chars: int,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         if ok and prompt_tokens:
             self.chars_per_token.observe(prompt_chars, prompt_tokens)

@@ -393,3 +393,8 @@ class LodestarPolicy(SeededPolicy):
     @property
     def training(self) -> bool:
         return self._round is not None
+
+    @property
+    def training_steps_left(self) -> int:
+        """Mini-batch steps left in the running retrain (0 when none is running)."""
+        return 0 if self._round is None else self._round.steps_left
