@@ -219,6 +219,9 @@ def bench_command(cfg: ClusterConfig, url: str) -> list[str]:
         argv += ["--num", str(cfg.bench_num)]
     if cfg.admin_token:
         argv += ["--admin-token", cfg.admin_token]  # so the report can read the router's /workers
+    if cfg.model is not None:
+        argv += ["--model", cfg.model]  # real engines check the model name
+    argv += ["--eviction-label", cfg.eviction]  # a real engine's metrics do not say which eviction runs
     return argv + list(cfg.bench_args)
 
 
