@@ -1,0 +1,209 @@
+"""(b) SGLang's installed RadixCache and UnifiedRadixCache, CPU pools, policy rlt: tree invariants under
+random operations (hypothesis), page sizes 1 and 4; RLT's victim rule; other policies untouched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvroute.bench.engine_evict_sglang import TreeDriver, build_cache
+
+POOL = 64
+KINDS = ("unified", "radix")
+
+
+def _evict(cache: Any, n: int) -> int:
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    return cache.evict(EvictParams(num_tokens=n)).num_tokens_evicted
+
+
+def _evictable(driver: TreeDriver) -> int:
+    cache = driver.cache
+    return cache.full_evictable_size() if driver.kind == "unified" else cache.evictable_size()
+
+
+def _legacy_leaves(cache: Any) -> set:
+    leaves, stack = set(), [cache.root_node]
+    while stack:
+        node = stack.pop()
+        live = [c for c in node.children.values() if not c.evicted]
+        stack.extend(live)
+        if node is not cache.root_node and not live and node.lock_ref == 0 and not node.evicted:
+            leaves.add(node)
+    return leaves
+
+
+def check_invariants(driver: TreeDriver) -> None:
+    cache, allocator = driver.cache, driver.allocator
+    free = allocator.available_size()
+    if driver.kind == "unified":
+        cache.tree_core.sanity_check([], [])  # SGLang's own checker: structure, leaf sets, sizes
+        in_tree = cache.full_evictable_size() + cache.full_protected_size()
+        leaves = cache.tree_core.evictable_device_leaves
+    else:
+        in_tree = cache.evictable_size() + cache.protected_size()
+        assert in_tree == cache.total_size()
+        leaves = cache.evictable_leaves
+        assert set(leaves) == _legacy_leaves(cache)
+    assert in_tree + free == POOL, "KV slots leaked or double-freed"
+    if getattr(cache, "kvroute_rlt", False):
+        leaves.check()  # candidate array == SGLang's leaf set, unmarked run == unmarked leaves
+    for seq, _lock in driver.held:  # locked paths are never evicted
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        assert cache.match_prefix(MatchPrefixParams(key=driver._key(seq))).device_prefix_len == len(seq)
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("serve"), st.lists(st.integers(0, 3), min_size=1, max_size=40), st.booleans()),
+        st.tuples(st.just("release"), st.integers(0, 5), st.just(False)),
+        st.tuples(st.just("evict"), st.integers(1, 48), st.just(False)),
+    ),
+    max_size=30,
+)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("kind", KINDS)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=OPS, seed=st.integers(0, 2**16))
+def test_rlt_tree_invariants_under_random_operations(
+    sglang_plugin: None, kind: str, page_size: int, ops: list, seed: int
+) -> None:
+    cache, allocator = build_cache(kind, "rlt", POOL, page_size, seed=seed, capacity_tokens=POOL)
+    assert getattr(cache, "kvroute_rlt", False)
+    driver = TreeDriver(cache, allocator, kind)
+    for op, a, b in ops:
+        if op == "serve":
+            if b and len(driver.held) >= 2:
+                driver.release(0)
+            driver.serve([t + 1 for t in a], hold=b)  # ids 1..4: many shared prefixes and splits
+        elif op == "release":
+            if driver.held:
+                driver.release(a % len(driver.held))
+        else:
+            evictable = _evictable(driver)
+            freed = _evict(cache, a)
+            want = -(-a // page_size) * page_size
+            assert freed == min(want, evictable), "rlt frees exactly the pages asked (token/page exact)"
+        check_invariants(driver)
+    while driver.held:
+        driver.release()
+    check_invariants(driver)
+    freed = _evict(cache, POOL)
+    assert freed == _evict_all_expected(driver, freed)
+    assert allocator.available_size() == POOL
+
+
+def _evict_all_expected(driver: TreeDriver, freed: int) -> int:
+    assert _evictable(driver) == 0  # with no lock held everything is evictable, and went
+    return freed
+
+
+def _seq(first: int, pages: int, page_size: int) -> list[int]:
+    return [first] + [first * 1000 + i for i in range(pages * page_size - 1)]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_rlt_evicts_a_random_unmarked_leaf_page_by_page(
+    sglang_plugin: None, kind: str, page_size: int
+) -> None:
+    """k = one request: each access starts a phase in which only its own path is marked. After A, B, C
+    are cached and A is read again, RLT must take its pages from B or C (unmarked), never from A; which
+    one is random (both get chosen across seeds) and it takes exactly the pages asked for."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    pages = 8
+    trimmed = {"B": 0, "C": 0}
+    for seed in range(16):
+        cache, allocator = build_cache(
+            kind, "rlt", 256 * page_size, page_size, seed=seed, capacity_tokens=pages * page_size
+        )
+        driver = TreeDriver(cache, allocator, kind)
+        seqs = {name: _seq(i + 1, pages, page_size) for i, name in enumerate("ABC")}
+        for seq in seqs.values():
+            driver.serve(seq)
+        driver.serve(seqs["A"])  # A is the only marked path now
+        assert _evict(cache, 2 * page_size) == 2 * page_size
+        hits = {
+            name: int(cache.match_prefix(MatchPrefixParams(key=driver._key(seq))).device_prefix_len)
+            for name, seq in seqs.items()
+        }
+        assert hits["A"] == pages * page_size
+        assert hits["B"] + hits["C"] == 2 * pages * page_size - 2 * page_size
+        for name in "BC":
+            trimmed[name] += hits[name] < pages * page_size
+        check_invariants_pool(driver, 256 * page_size)
+    assert trimmed["B"] > 0 and trimmed["C"] > 0, trimmed
+
+
+def check_invariants_pool(driver: TreeDriver, pool: int) -> None:
+    cache = driver.cache
+    if driver.kind == "unified":
+        cache.tree_core.sanity_check([], [])
+        in_tree = cache.full_evictable_size() + cache.full_protected_size()
+    else:
+        in_tree = cache.evictable_size() + cache.protected_size()
+    assert in_tree + driver.allocator.available_size() == pool
+
+
+def test_other_policies_build_sglang_classes_unchanged(sglang_plugin: None) -> None:
+    from kvroute.engine_patches.sglang.unified import RLTUnifiedTreeCore
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    for policy in ("lru", "lfu", "slru", "priority"):
+        radix, _ = build_cache("radix", policy, POOL)
+        assert type(radix) is RadixCache and type(radix.evictable_leaves) is set
+        unified, _ = build_cache("unified", policy, POOL)
+        assert type(unified) is UnifiedRadixCache
+        assert not isinstance(unified.tree_core, RLTUnifiedTreeCore)
+        assert type(unified.components[ComponentType.FULL]) is FullComponent
+
+
+def test_rlt_selects_the_python_tree_core(sglang_plugin: None) -> None:
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+    from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
+    from sglang.srt.mem_cache.unified_cache.unified_tree_core import UnifiedTreeCore
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    cache, _ = build_cache("unified", "rlt", POOL, 4)
+    assert isinstance(cache, UnifiedRadixCache)
+    assert isinstance(cache.tree_core, UnifiedTreeCore)  # the Python core, not the Rust one
+    assert isinstance(cache.components[ComponentType.FULL], FullComponent)
+
+
+def test_bad_rlt_config_is_a_clear_error(sglang_plugin: None) -> None:
+    from sglang.srt.mem_cache.utils import get_eviction_strategy
+
+    with pytest.raises(ValueError, match="seed"):
+        get_eviction_strategy("rlt", {"seed": -1})
+    with pytest.raises(ValueError, match="capacity_tokens"):
+        get_eviction_strategy("rlt", {"capacity_tokens": 0})
+    with pytest.raises(TypeError):
+        get_eviction_strategy("rlt", {"no_such_option": 1})
+
+
+def test_draw_pages_matches_one_at_a_time_draws() -> None:
+    """Two candidates with 2 and 3 pages left: drawing one page at a time, the first is emptied first
+    with probability 11/16 (at least 2 of the first 4 uniform draws hit it)."""
+    from kvroute.engine_patches.sglang.rlt_core import draw_pages
+
+    rng = np.random.default_rng(7)
+    trials = 20000
+    first_emptied = 0
+    for _ in range(trials):
+        taken, n, emptied = draw_pages(rng, np.array([2, 3]), 100)
+        assert emptied in (0, 1) and taken.sum() == n and taken[emptied] == (2, 3)[emptied]
+        first_emptied += emptied == 0
+    assert abs(first_emptied / trials - 11 / 16) < 0.015
+    taken, n, emptied = draw_pages(rng, np.array([50, 50, 50]), 10)
+    assert (n, emptied, int(taken.sum())) == (10, -1, 10)
