@@ -232,12 +232,98 @@ cdef inline bint _heap_less(Node a, Node b):
     return a.hkey < b.hkey or (a.hkey == b.hkey and a.node_id < b.node_id)
 
 
-cdef inline uint64_t _splitmix64(uint64_t* state):
+cdef struct Rng:
+    uint64_t state     # splitmix64
+    uint64_t bits      # unused 16-bit chunks of the last output
+    int nchunks
+    uint64_t bound     # _draw returns uniform integers in [0, bound)
+    uint64_t thresh    # Lemire rejection threshold for bound
+
+
+cdef inline uint64_t _splitmix64(uint64_t* state) noexcept nogil:
     state[0] += <uint64_t>0x9E3779B97F4A7C15ULL
     cdef uint64_t z = state[0]
     z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
     z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EBULL
     return z ^ (z >> 31)
+
+
+cdef inline void _draw_setup(Rng* r, Py_ssize_t bound) noexcept nogil:
+    """Prepare ``_draw`` for uniform integers in [0, bound), 0 < bound < 2**32."""
+    r.bound = <uint64_t>bound
+    if bound <= 0x10000ULL:
+        r.thresh = (0x10000 - r.bound) % r.bound
+    else:
+        r.thresh = (0x100000000ULL - r.bound) % r.bound
+
+
+cdef inline Py_ssize_t _draw(Rng* r) noexcept nogil:
+    """Uniform integer in [0, bound): Lemire's multiply-shift with rejection (exact), on 16-bit
+    chunks of splitmix64 output when the bound fits in 16 bits (four draws per 64-bit word)."""
+    cdef uint64_t x, m
+    if r.bound <= 0x10000ULL:
+        while True:
+            if r.nchunks == 0:
+                r.bits = _splitmix64(&r.state)
+                r.nchunks = 4
+            x = r.bits & 0xFFFFULL
+            r.bits >>= 16
+            r.nchunks -= 1
+            m = x * r.bound
+            if (m & 0xFFFFULL) >= r.thresh:
+                return <Py_ssize_t>(m >> 16)
+    while True:
+        x = _splitmix64(&r.state) >> 32
+        m = x * r.bound
+        if (m & 0xFFFFFFFFULL) >= r.thresh:
+            return <Py_ssize_t>(m >> 32)
+
+
+cdef Py_ssize_t _count_draws(Rng* r, Py_ssize_t u, const int64_t* rem, int64_t* cnt, Py_ssize_t todo,
+                             Py_ssize_t* emptied) noexcept nogil:
+    """Draw up to ``todo`` uniform candidates in [0, u), counting per candidate; stop at the draw
+    that takes a candidate's last page (its index goes to ``emptied``). Returns the draws made.
+
+    The generator state lives in locals here: ``cnt`` may alias it as far as C knows, which would
+    otherwise force a reload of the state after every count."""
+    cdef Py_ssize_t d = 0, i
+    cdef uint64_t state, bits, x, m, bound = <uint64_t>u, thresh
+    cdef int nchunks
+    emptied[0] = -1
+    if u > 0x10000:
+        _draw_setup(r, u)
+        while d < todo:
+            i = _draw(r)
+            cnt[i] += 1
+            d += 1
+            if cnt[i] == rem[i]:
+                emptied[0] = i
+                break
+        return d
+    state = r.state
+    bits = r.bits
+    nchunks = r.nchunks
+    thresh = (0x10000ULL - bound) % bound
+    while d < todo:
+        if nchunks == 0:
+            bits = _splitmix64(&state)
+            nchunks = 4
+        x = bits & 0xFFFFULL
+        bits >>= 16
+        nchunks -= 1
+        m = x * bound
+        if (m & 0xFFFFULL) < thresh:
+            continue
+        i = <Py_ssize_t>(m >> 16)
+        cnt[i] += 1
+        d += 1
+        if cnt[i] == rem[i]:
+            emptied[0] = i
+            break
+    r.state = state
+    r.bits = bits
+    r.nchunks = nchunks
+    return d
 
 
 cdef class RadixTree:
@@ -258,7 +344,10 @@ cdef class RadixTree:
     cdef int64_t phase
     cdef Py_ssize_t marked
     cdef Node last_touched
-    cdef uint64_t rng
+    cdef Rng rng
+    cdef int64_t* rem          # rlt block draws: remaining pages and draws per candidate
+    cdef int64_t* cnt
+    cdef Py_ssize_t counts_cap
     # lru
     cdef int64_t tick
     cdef int64_t next_id
@@ -272,6 +361,7 @@ cdef class RadixTree:
     # statistics
     cdef readonly int64_t phases
     cdef readonly int64_t evicted_tokens
+    cdef readonly int64_t draw_blocks
 
     def __cinit__(self, *args, **kwargs):
         self.root = Node()
@@ -280,11 +370,15 @@ cdef class RadixTree:
         self.next_id = 1
         self.arr = NULL
         self.scratch = NULL
+        self.rem = NULL
+        self.cnt = NULL
         self.phase = 0
 
     def __dealloc__(self):
         free(self.arr)
         free(self.scratch)
+        free(self.rem)
+        free(self.cnt)
         # Node is not tracked by the GC: break the parent<->children cycles here (iteratively, so
         # deep trees do not recurse on deallocation)
         cdef list nodes = [self.root]
@@ -309,9 +403,8 @@ cdef class RadixTree:
             s = int.from_bytes(os.urandom(8), "little")
         else:
             s = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
-        self.rng = _splitmix64(&s)
-        if self.rng == 0:
-            self.rng = 0x9E3779B97F4A7C15ULL
+        self.rng.state = _splitmix64(&s)  # any state is fine for splitmix64
+        self.rng.nchunks = 0
 
     # ------------------------------------------------------------------ read-only attributes
     @property
@@ -541,25 +634,6 @@ cdef class RadixTree:
             return INT64_MAX
         return reqs[i]
 
-    cdef inline Py_ssize_t _rand_below(self, Py_ssize_t bound):
-        """Uniform integer in [0, bound) (xorshift64* + Lemire's unbiased multiply-shift)."""
-        cdef uint64_t x, m, lo, t
-        cdef uint64_t b = <uint64_t>bound
-        while True:
-            x = self.rng
-            x ^= x >> 12
-            x ^= x << 25
-            x ^= x >> 27
-            self.rng = x
-            x = (x * <uint64_t>0x2545F4914F6CDD1DULL) >> 32
-            m = x * b
-            lo = m & 0xFFFFFFFFULL
-            if lo >= b:
-                return <Py_ssize_t>(m >> 32)
-            t = (0x100000000ULL - b) % b
-            if lo >= t:
-                return <Py_ssize_t>(m >> 32)
-
     # ------------------------------------------------------------------ structure
     cdef Node _split(self, Node child, Py_ssize_t m):
         """Split ``child`` after its first ``m`` tokens; returns the new upper node."""
@@ -652,11 +726,19 @@ cdef class RadixTree:
         return freed
 
     cdef Py_ssize_t _evict_rlt(self, Py_ssize_t want) except -1:
-        """Evict one page of a uniformly drawn unmarked unlocked leaf per draw until ``want`` is freed."""
-        cdef Py_ssize_t freed = 0, p = self.page
+        """Evict one page of a uniformly drawn unmarked unlocked leaf per draw until ``want`` is freed.
+
+        Draws are made in blocks: between two structural changes (a leaf emptied, a phase reset) the
+        candidate set is fixed, so the draws only count pages per candidate in a small C array, and
+        the block ends at the draw that empties a leaf. This is the same process as drawing and
+        evicting one page at a time, without touching a node per draw.
+        """
+        cdef Py_ssize_t p = self.page, todo = (want + p - 1) // p, done = 0, u, i, d, emptied
         cdef bint last_path = False
-        cdef Node n
-        while freed < want:
+        cdef Node n, gone
+        cdef int64_t* rem
+        cdef int64_t* cnt
+        while done < todo:
             if self.n_unmarked == 0 and not last_path:
                 if self.n_arr == 0:
                     break
@@ -664,20 +746,46 @@ cdef class RadixTree:
                 # only the most recently accessed path is left (all else locked or gone): as an
                 # explicit evict() must free what it can, its marked leaves go too, uniformly drawn
                 last_path = self.n_unmarked == 0
+            u = self.n_arr if last_path else self.n_unmarked
+            if u == 0:
+                break
+            self._reserve_counts(u)
+            rem = self.rem
+            cnt = self.cnt
+            for i in range(u):
+                rem[i] = (<Node>self.arr[i]).length // p
+                cnt[i] = 0
+            self.draw_blocks += 1
+            d = _count_draws(&self.rng, u, rem, cnt, todo - done, &emptied)
+            gone = <Node>self.arr[emptied] if emptied >= 0 else None
+            for i in range(u):
+                if cnt[i]:
+                    (<Node>self.arr[i]).length -= cnt[i] * p
+            done += d
             if last_path:
-                if self.n_arr == 0:
-                    break
-                n = <Node>self.arr[self._rand_below(self.n_arr)]
-                self.marked -= p
-            else:
-                n = <Node>self.arr[self._rand_below(self.n_unmarked)]
-            n.length -= p
-            freed += p
-            if n.length == 0:
-                self._remove_node(n)
-        self.evictable -= freed
-        self.evicted_tokens += freed
-        return freed
+                self.marked -= d * p
+            if gone is not None:
+                self._remove_node(gone)
+        self.evictable -= done * p
+        self.evicted_tokens += done * p
+        return done * p
+
+    cdef int _reserve_counts(self, Py_ssize_t u) except -1:
+        cdef int64_t* a
+        cdef int64_t* b
+        if u > self.counts_cap:
+            a = <int64_t*>realloc(self.rem, u * sizeof(int64_t))
+            if a == NULL:
+                raise MemoryError()
+            self.rem = a
+            b = <int64_t*>realloc(self.cnt, u * sizeof(int64_t))
+            if b == NULL:
+                raise MemoryError()
+            self.cnt = b
+            self.counts_cap = u
+        return 0
+
+
 
     cdef Py_ssize_t _evict_opt(self, Py_ssize_t want) except -1:
         """Belady: evict pages of the leaf whose last token is next used farthest in the future."""

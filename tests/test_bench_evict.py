@@ -11,7 +11,7 @@ from kvroute.bench import evict
 from kvroute.bench.traces import VOCAB, gsp, named_trace
 from kvroute.launch.cli import main as cli_main
 
-SMALL = ["--groups", "10", "--queries", "6"]
+SMALL = ["--groups", "10", "--queries", "6", "--repeat", "1"]
 
 
 # ---------------------------------------------------------------------------------------- traces
@@ -84,7 +84,8 @@ def test_bench_json_has_every_policy_and_opt_is_best(capsys: pytest.CaptureFixtu
 
 def test_bench_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "evict.png"
-    assert evict.main([*SMALL, "--policies", "lru", "rlt", "--capacity", "8000", "--plot", str(png)]) == 0
+    argv = [*SMALL, "--repeat", "2", "--policies", "lru", "rlt", "--capacity", "8000", "--plot", str(png)]
+    assert evict.main(argv) == 0
     out = capsys.readouterr().out
     assert "gsp-rr" in out and "gsp-random" in out and "rlt" in out
     assert png.stat().st_size > 1000

@@ -153,6 +153,15 @@ def test_rlt_never_evicts_a_marked_token_while_an_unmarked_candidate_exists(
             held.append(node)
         elif op == "unlock" and held:
             cache.unlock(held.pop(arg % len(held)))
+        elif op == "evict" and arg % 2:  # one bulk eviction (block draws)
+            leaves, _ = _marked_leaves(cache)
+            phases = cache.phases
+            cache.evict(arg * page)
+            if cache.phases == phases:  # no phase turned over: every marked leaf is intact
+                after = {nid: length for nid, _, length, lock, leaf, _ in cache._nodes() if leaf and not lock}
+                for nid, (length, marked) in leaves.items():
+                    if marked:
+                        assert after.get(nid) == length
         elif op == "evict":
             for _ in range(arg):  # one page at a time, checking each draw
                 leaves, unmarked_exists = _marked_leaves(cache)
