@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                             seed=args.seed,
                             max_running=args.max_running,
                             chunk_budget=args.chunk_budget,
+                            max_index_chars=args.max_index_chars,
                             progress=lambda n, task=task: bar.update(task, completed=n),
                             extra={"rate": rate, "workers": args.workers, "requests_total": len(requests)},
                         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,7 @@ def run_one(
     seed: int,
     max_running: int | None = None,
     chunk_budget: int | None = None,
+    max_index_chars: int | None = None,
     progress: Callable[[int], None] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Any]:
@@ -135,6 +137,7 @@ def run_one(
         max_running=max_running,
         chunk_budget=chunk_budget,
         seed=seed,
+        router_options={"max_index_chars": max_index_chars} if max_index_chars else None,
     )
     result = sim.run(requests, progress=progress)
     row = run_row(
@@ -163,6 +166,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of workload, router and engines")
     parser.add_argument(
+        "--max-index-chars",
+        type=int,
+        default=None,
+        help="router prefix-index capacity in characters (router default: 10M; raise it for many workers)",
+    )
+    parser.add_argument(
         "--option",
         action="append",
         default=[],
@@ -179,7 +188,7 @@ def check_common(args: argparse.Namespace) -> None:
     for name in ("workers", "max_tokens", "kv_capacity"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("max_running", "chunk_budget"):
+    for name in ("max_running", "chunk_budget", "max_index_chars"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
@@ -221,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
         options = parse_options(args.option, "--option")
         check_workload_options([args.workload], options)
         options.update(rate=args.rate, max_tokens=args.max_tokens, seed=args.seed)
+        t0 = time.perf_counter()
         requests = build_workload(args.workload, options)
+        build_s = time.perf_counter() - t0
         from rich.progress import Progress
 
         with Progress(transient=True, disable=args.json == "-") as bar:
@@ -237,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 max_running=args.max_running,
                 chunk_budget=args.chunk_budget,
+                max_index_chars=args.max_index_chars,
                 progress=lambda n: bar.update(task, completed=n),
                 extra={"rate": args.rate, "workers": args.workers},
             )
@@ -249,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.records:
         write_csv([r.as_dict() for r in result.records], args.records)
     if args.json != "-":
-        print(f"simulated {len(requests)} requests in {result.wall_s:.2f} s wall ({result.events} events)")
+        print(
+            f"workload built in {build_s:.2f} s; simulated {len(requests)} requests on {args.workers} workers "
+            f"in {result.wall_s:.2f} s wall ({result.events} events)"
+        )
     return 0
 
 

@@ -75,3 +75,26 @@ def test_cpu_preset_is_measured_or_refused() -> None:
     else:  # never a guessed number: an unmeasured preset is an error that says how to measure it
         with pytest.raises(ValueError, match="measure_cpu_preset"):
             get_preset(CPU_PRESET_NAME)
+
+
+def test_measure_script_refuses_what_it_cannot_measure(tmp_path, capsys) -> None:
+    from kvroute.bench import measure_cpu_preset
+
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "config.json").write_text(
+        '{"hidden_size": 128, "num_hidden_layers": 2, "num_key_value_heads": 2}'
+    )
+    assert measure_cpu_preset.main(["--model", str(other), "--vllm-python", "/bin/true"]) == 2
+    assert "not SmolLM2-135M" in capsys.readouterr().err
+    assert measure_cpu_preset.main(["--model", str(other), "--vllm-python", str(tmp_path / "missing")]) == 2
+    assert "install_vllm_env" in capsys.readouterr().err
+    assert measure_cpu_preset.main(["--model", str(other), "--dtype", "int3"]) == 2
+
+
+def test_measure_fit_recovers_a_known_line() -> None:
+    from kvroute.bench.measure_cpu_preset import _fit_line
+
+    xs = [1e9, 2e9, 4e9, 8e9]
+    a, b = _fit_line(xs, [0.01 + x / 5e10 for x in xs])
+    assert a == pytest.approx(0.01) and 1 / b == pytest.approx(5e10)
