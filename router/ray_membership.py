@@ -99,19 +99,22 @@ def get_or_create(cluster: str = DEFAULT_CLUSTER, ttl_s: float = DEFAULT_TTL_S) 
 def prepare_driver_env() -> None:
     """Environment for a Ray driver that joins an existing cluster; children (routers) inherit it.
 
-    Ray 2.5x clusters use token auth by default (token in ~/.ray/auth_token), but a second driver only
-    sends the token when RAY_AUTH_MODE=token; a token sent to a cluster without auth is accepted, so
-    sending it whenever one exists is safe. Ray's failure-signal handler would print a stack dump on
-    every SIGTERM, which is how the launcher stops routers: turn it off.
+    Ray 2.5x clusters use token auth by default (token in ~/.ray/auth_token), but a driver given an
+    explicit address only sends the token when RAY_AUTH_MODE=token, and Ray caches that setting at
+    import. Ray's own helper sets the variable (when unset and a token exists) and refreshes the cache;
+    a token sent to a cluster without auth is accepted, so this is safe. Ray's failure-signal handler
+    would print a stack dump on every SIGTERM, which is how the launcher stops routers: turn it off.
     """
-    token_available = (
-        "RAY_AUTH_TOKEN" in os.environ
-        or "RAY_AUTH_TOKEN_PATH" in os.environ
-        or (Path.home() / ".ray" / "auth_token").is_file()
-    )
-    if token_available:
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # another Ray version: the variable alone works when set before `import ray`
+        if (Path.home() / ".ray" / "auth_token").is_file():
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def connect(address: str) -> None:
