@@ -5,7 +5,8 @@ For every policy x worker count x prompt size: a ``Router`` whose prefix index a
 warmed up with routed-and-finished requests so learning policies have fitted models, then timed on
 ``--decisions`` fresh requests while about two requests per worker stay in flight.
 
-Two latencies per request (``time.perf_counter_ns``):
+Latencies per request (wall clock, ``time.perf_counter_ns``; and the decision's CPU time,
+``time.thread_time_ns``, which leaves out time the process spends descheduled on a busy machine):
 - ``decision``: ``Router.decide`` — prefix-index match + worker views + ``policy.choose`` (what the
   seed 004 paper reports as its 1.45 ms routing decision);
 - ``route``: the full ``Router.route`` (decision + dispatch bookkeeping + index insert, including any
@@ -51,6 +52,8 @@ class RouteResult:
     p99_us: float
     route_p50_us: float
     route_p99_us: float
+    cpu_p50_us: float
+    cpu_p99_us: float
     index_chars: int
     decisions: int
 
@@ -177,23 +180,29 @@ def bench_policy(
     if train is not None:
         train()
     decide_ns: list[int] = []
+    decide_cpu_ns: list[int] = []
     route_ns: list[int] = []
     clock = time.perf_counter_ns
+    cpu_clock = time.thread_time_ns  # excludes time the thread is descheduled (a shared, busy machine)
     gc.collect()
     for _ in range(decisions):
         now += 0.005
         req = next(reqs)
+        c0 = cpu_clock()
         t0 = clock()
         router.decide(req, now)
         t1 = clock()
+        c1 = cpu_clock()
         router.route(req, now)
         t2 = clock()
         decide_ns.append(t1 - t0)
+        decide_cpu_ns.append(c1 - c0)
         route_ns.append(t2 - t1)
         window.append((req.id, now, req.est_tokens))
         retire()
     retire(force=True)
     decide_ns.sort()
+    decide_cpu_ns.sort()
     route_ns.sort()
     return RouteResult(
         policy=policy,
@@ -203,6 +212,8 @@ def bench_policy(
         p99_us=round(_percentile(decide_ns, 0.99) / 1000.0, 2),
         route_p50_us=round(_percentile(route_ns, 0.50) / 1000.0, 2),
         route_p99_us=round(_percentile(route_ns, 0.99) / 1000.0, 2),
+        cpu_p50_us=round(_percentile(decide_cpu_ns, 0.50) / 1000.0, 2),
+        cpu_p99_us=round(_percentile(decide_cpu_ns, 0.99) / 1000.0, 2),
         index_chars=index.stored_chars,
         decisions=decisions,
     )
@@ -424,12 +435,22 @@ def _print_tables(results: Sequence[RouteResult], memory: Sequence[MemoryResult]
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=max(140, Console().width))
     table = Table(
         title="routing latency (us): decision = match + views + choose; route = decision + dispatch"
     )
-    for col in ("policy", "workers", "prompt chars", "p50", "p99", "route p50", "route p99"):
-        table.add_column(col, justify="right" if col != "policy" else "left")
+    for col in (
+        "policy",
+        "workers",
+        "prompt chars",
+        "p50",
+        "p99",
+        "cpu p50",
+        "cpu p99",
+        "route p50",
+        "route p99",
+    ):
+        table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
     for r in results:
         table.add_row(
             r.policy,
@@ -437,6 +458,8 @@ def _print_tables(results: Sequence[RouteResult], memory: Sequence[MemoryResult]
             str(r.prompt_chars),
             f"{r.p50_us:.1f}",
             f"{r.p99_us:.1f}",
+            f"{r.cpu_p50_us:.1f}",
+            f"{r.cpu_p99_us:.1f}",
             f"{r.route_p50_us:.1f}",
             f"{r.route_p99_us:.1f}",
         )
@@ -452,7 +475,7 @@ def _print_tables(results: Sequence[RouteResult], memory: Sequence[MemoryResult]
             "RSS B/char",
             "fill s",
         ):
-            mt.add_column(col, justify="right")
+            mt.add_column(col, justify="right", no_wrap=True)
         for m in memory:
             mt.add_row(
                 str(m.max_chars),

@@ -21,6 +21,8 @@ from kvroute.router.policies import make_policy
 from kvroute.router.state import CharsPerTokenEstimator, ClusterState, default_service_time
 from kvroute.router.types import NoWorkerAvailable, Policy, Request, WorkerView
 
+MAX_WORKERS = 256  # PrefixIndex worker slots
+
 
 class Router:
     """One routing domain: the workers, their state, the shared prefix index, and the policy."""
@@ -63,6 +65,10 @@ class Router:
     def add_worker(self, worker_id: str) -> None:
         if not isinstance(worker_id, str) or not worker_id:
             raise ValueError(f"worker id must be a non-empty str, got {worker_id!r}")
+        if len(self.workers) >= MAX_WORKERS and worker_id not in self.workers:
+            raise ValueError(
+                f"a Router holds at most {MAX_WORKERS} workers (the prefix index's worker slots)"
+            )
         self.state.add_worker(worker_id)  # raises on a duplicate
         self.workers.append(worker_id)
         self.policy.on_worker_added(worker_id)
@@ -123,9 +129,9 @@ class Router:
         service_s = self.policy.service_time(request, view.match_chars)
         if service_s is None:
             service_s = default_service_time(request.est_tokens - cached_tokens, cached_tokens)
-        self.state.dispatch(request, view, now, float(service_s), request.est_tokens - cached_tokens)
-        if request.text:
+        if request.text:  # first: the only step that can fail (MemoryError) leaves no half-recorded dispatch
             self.index.insert(request.text, view.id, now)
+        self.state.dispatch(request, view, now, float(service_s), request.est_tokens - cached_tokens)
         self.policy.on_dispatch(request, view, now)
 
     def _chars_to_tokens(self, chars: int, request: Request) -> int:

@@ -245,4 +245,4 @@ def test_bounded_index_never_overclaims(ops: list[tuple[str, str, str]], max_cha
             for w, n in ix.match(text).items():
                 assert n <= truth.get(w, 0)  # trimming may forget, never invent
         assert ix.stored_chars <= max_chars
-    ix.check_invariants()
+        ix.check_invariants()

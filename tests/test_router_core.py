@@ -182,3 +182,12 @@ def test_same_seed_same_decisions_and_state_drains(policy: str) -> None:
         return out
 
     assert run(123) == run(123)
+
+
+def test_worker_count_is_capped_at_the_index_slots() -> None:
+    r = Router("random", [f"w{i}" for i in range(256)])
+    with pytest.raises(ValueError, match="at most 256"):
+        r.add_worker("w256")
+    r.remove_worker("w0")
+    r.add_worker("w256")
+    assert len(r.workers) == 256
