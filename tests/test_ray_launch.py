@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from kvroute.launch.local import free_ports
 from kvroute.launch.ray_cluster import worker_actor_name
 from kvroute.router import ray_membership
 from test_launch_helpers import Launch, assert_no_leftovers, get_json, post_json
@@ -109,6 +112,9 @@ def test_ray_launch_survives_engine_sigkill_under_load(ray_address: str, tmp_pat
         tmp_path / "logs",
     )
     load: Load | None = None
+    second: subprocess.Popen[bytes] | None = None
+    second_port = free_ports(1)[0]
+    second_url = f"http://127.0.0.1:{second_port}"
     try:
         launch.wait_ready(2, timeout_s=240)
         actors = [
@@ -124,6 +130,31 @@ def test_ray_launch_survives_engine_sigkill_under_load(ray_address: str, tmp_pat
         # the placement group spread one CPU bundle per worker
         assert sorted(router_workers(launch.url)) == sorted(info["url"] for info in infos)
         victim_url = infos[0]["url"]
+        # a second router, started on its own as on another node, follows the same membership
+        second = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvroute.launch.cli",
+                "router",
+                "--ray",
+                ray_address,
+                "--ray-cluster",
+                cluster,
+                "--port",
+                str(second_port),
+                "--policy",
+                "least_load",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "second-router.log", "wb"),
+        )  # noqa: SIM115
+        wait_until(
+            lambda: (get_json(second_url + "/health")[1] or {}).get("healthy_workers") == 2,
+            120,
+            "second router",
+        )
+        assert sorted(router_workers(second_url)) == sorted(info["url"] for info in infos)
 
         _, models = get_json(launch.url + "/v1/models")
         load = Load(launch.url, models["data"][0]["id"])
@@ -144,6 +175,7 @@ def test_ray_launch_survives_engine_sigkill_under_load(ray_address: str, tmp_pat
             "router removal",
         )
         t_out = time.monotonic()
+        wait_until(lambda: victim_url not in router_workers(second_url), 5, "second router removal")
         assert t_out - t_kill < 5
         # the actor restarts the engine, which is readmitted
         info = wait_until(
@@ -157,6 +189,9 @@ def test_ray_launch_survives_engine_sigkill_under_load(ray_address: str, tmp_pat
         back_url = info["url"]
         wait_until(lambda: router_workers(launch.url).get(back_url, {}).get("healthy"), 10, "readmission")
         t_back = time.monotonic()
+        wait_until(
+            lambda: router_workers(second_url).get(back_url, {}).get("healthy"), 10, "second router readd"
+        )
         served_at_back = router_workers(launch.url)[back_url]["requests"]
         wait_until(
             lambda: router_workers(launch.url)[back_url]["requests"] >= served_at_back + 5,
@@ -175,6 +210,9 @@ def test_ray_launch_survives_engine_sigkill_under_load(ray_address: str, tmp_pat
     finally:
         if load is not None:
             load.stop()
+        if second is not None:
+            second.terminate()
+            second.wait(timeout=30)
         rc = launch.stop(signal.SIGTERM)
     assert rc == 0, launch.output()
     assert_no_leftovers(launch.launch_id)
