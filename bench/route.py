@@ -1,7 +1,8 @@
 """``kvroute bench route``: routing decision latency per policy, and the prefix index's memory.
 
 For every policy x worker count x prompt size: a ``Router`` whose prefix index already holds
-``--index-prompts`` prompts (inserted through the index's own LRU trimming at ``--max-index-chars``),
+``--index-prompts`` prompts (by default the index is sized to keep all of them; ``--index-max-chars``
+bounds it instead, so inserts go through its LRU trimming),
 warmed up with routed-and-finished requests so learning policies have fitted models, then timed on
 ``--decisions`` fresh requests while about two requests per worker stay in flight.
 
@@ -12,7 +13,8 @@ Latencies per request (wall clock, ``time.perf_counter_ns``; and the decision's 
 - ``route``: the full ``Router.route`` (decision + dispatch bookkeeping + index insert, including any
   LRU trimming the insert triggers).
 
-Index memory: a fresh ``PrefixIndex(max_chars)`` filled with the same prompts, measured with
+Index memory: a fresh ``PrefixIndex(--memory-max-chars)`` (10M by default) filled with the same prompts
+until full and trimming, measured with
 ``tracemalloc`` (every allocation the index holds, including its PyMem per-node arrays and the heap
 of trim candidates) and, as a cross-check, the process RSS growth. Reported per stored character.
 
@@ -55,6 +57,7 @@ class RouteResult:
     cpu_p50_us: float
     cpu_p99_us: float
     index_chars: int
+    index_prompts: int
     decisions: int
 
 
@@ -155,6 +158,7 @@ def bench_policy(
     decisions: int,
     warmup: int,
     seed: int,
+    index_prompts: int,
 ) -> RouteResult:
     router = Router(policy, workers, max_index_chars=index.max_chars, seed=seed)
     router.index = index  # the prefilled index (shared across policies of one configuration)
@@ -215,6 +219,7 @@ def bench_policy(
         cpu_p50_us=round(_percentile(decide_cpu_ns, 0.50) / 1000.0, 2),
         cpu_p99_us=round(_percentile(decide_cpu_ns, 0.99) / 1000.0, 2),
         index_chars=index.stored_chars,
+        index_prompts=index_prompts,
         decisions=decisions,
     )
 
@@ -286,7 +291,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-chars", default="1000,8000", help="prompt sizes in characters (default 1000,8000)"
     )
     p.add_argument("--index-prompts", type=int, default=100_000, help="prompts inserted before timing")
-    p.add_argument("--max-index-chars", type=int, default=10_000_000)
+    p.add_argument(
+        "--index-max-chars",
+        type=int,
+        default=None,
+        help="bound of the timed index (default: large enough to keep every --index-prompts prompt)",
+    )
+    p.add_argument(
+        "--memory-max-chars", type=int, default=10_000_000, help="max_chars of the memory measurement (10M)"
+    )
     p.add_argument("--groups", type=int, default=1000, help="prefix groups in the prompt mix")
     p.add_argument("--decisions", type=int, default=2000, help="timed requests per configuration")
     p.add_argument("--warmup", type=int, default=1500, help="routed+finished requests before timing")
@@ -301,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: 4,16 workers, 1k chars, 3000 index prompts, 200 decisions, 1M index",
+        help="smoke run: 4,16 workers, 1k chars, 3000 index prompts, 200 decisions, 1M-char memory index",
     )
     p.add_argument("--json", action="store_true", help="print results as JSON instead of tables")
     p.add_argument("--out", default=None, help="also write the JSON results to this file")
@@ -353,19 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvroute bench route: {exc}", file=sys.stderr)
         return 2
-    index_prompts, decisions, warmup, max_chars = (
-        args.index_prompts,
-        args.decisions,
-        args.warmup,
-        args.max_index_chars,
-    )
+    index_prompts, decisions, warmup = args.index_prompts, args.decisions, args.warmup
+    index_max_chars, memory_max_chars = args.index_max_chars, args.memory_max_chars
     if args.quick:
         workers_list, sizes = [4, 16], [1000]
-        index_prompts, decisions, warmup, max_chars = 3000, 200, 300, 1_000_000
+        index_prompts, decisions, warmup, memory_max_chars = 3000, 200, 300, 1_000_000
     for name, value in (
         ("index-prompts", index_prompts),
         ("decisions", decisions),
-        ("max-index-chars", max_chars),
+        ("index-max-chars", 1 if index_max_chars is None else index_max_chars),
+        ("memory-max-chars", memory_max_chars),
         ("groups", args.groups),
     ):
         if value <= 0:
@@ -383,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
             for n_workers in workers_list:
                 workers = [f"w{i}" for i in range(n_workers)]
                 source = PromptSource(size, args.groups, args.seed)
-                index = PrefixIndex(max_chars)
+                # default: room for every prompt (+ the timed ones), so the index really holds them all
+                bound = index_max_chars or (index_prompts + warmup + 2 * decisions + 1) * size
+                index = PrefixIndex(bound)
                 task = progress.add_task(f"fill index {n_workers}w x {size}c", total=index_prompts)
                 fill_index(
                     index, source, workers, index_prompts, args.seed, lambda k, t=task: progress.advance(t, k)
@@ -391,7 +403,11 @@ def main(argv: list[str] | None = None) -> int:
                 progress.update(task, completed=index_prompts)
                 task = progress.add_task(f"time {n_workers}w x {size}c", total=len(policies))
                 for policy in policies:
-                    results.append(bench_policy(policy, index, source, workers, decisions, warmup, args.seed))
+                    results.append(
+                        bench_policy(
+                            policy, index, source, workers, decisions, warmup, args.seed, index_prompts
+                        )
+                    )
                     progress.advance(task)
                 del index
                 gc.collect()
@@ -403,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                     task = progress.add_task(f"memory {size}c (child process)", total=None)
                     memory.append(
                         pool.submit(
-                            measure_memory, max_chars, size, memory_prompts, args.groups, 16, args.seed
+                            measure_memory, memory_max_chars, size, memory_prompts, args.groups, 16, args.seed
                         ).result()
                     )
                     progress.update(task, total=1, completed=1)

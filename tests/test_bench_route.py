@@ -34,7 +34,8 @@ def test_quick_json_run_reports_every_requested_policy(capsys: pytest.CaptureFix
     for r in rows:
         assert {"policy", "workers", "prompt_chars", "p50_us", "p99_us"} <= set(r)
         assert 0 < r["p50_us"] <= r["p99_us"]
-        assert r["prompt_chars"] == 1000 and r["index_chars"] <= 1_000_000
+        assert r["prompt_chars"] == 1000 and r["index_prompts"] == 3000
+        assert r["index_chars"] >= 3000 * 500  # every prompt's unique half is still there: nothing trimmed
     assert json.loads(out.read_text()) == payload
     assert png.stat().st_size > 1000
 
