@@ -146,7 +146,7 @@ class Router:
         """Marks the first token of an in-flight request (no-op if unknown or already marked)."""
         record = self.state.first_token(request_id, now)
         if record is not None:
-            self.policy.on_first_token(request_id, record.worker, now, now - record.dispatched_at)
+            self.policy.on_first_token(request_id, record.worker, now, max(0.0, now - record.dispatched_at))
 
     def finish(
         self,
@@ -167,14 +167,17 @@ class Router:
         text_len = len(record.request.text)
         if ok and prompt_tokens:
             self.chars_per_token.observe(text_len, prompt_tokens)
-        ttft = None if record.first_token_at is None else record.first_token_at - record.dispatched_at
+        # clamp at 0: a caller's clock that steps back must not feed negative latencies to learning policies
+        ttft = (
+            None if record.first_token_at is None else max(0.0, record.first_token_at - record.dispatched_at)
+        )
         self.policy.on_finish(
             request_id,
             record.worker,
             now,
             ok,
             ttft,
-            now - record.dispatched_at,
+            max(0.0, now - record.dispatched_at),
             prompt_chars=text_len,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
