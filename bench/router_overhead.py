@@ -332,6 +332,20 @@ async def rps_run(
     return {"rps": done / elapsed, "completed": done, "failed": failed, "seconds": elapsed}
 
 
+def cpu_seconds(*procs: Proc | None) -> float:
+    """User + system CPU seconds of processes (all their threads), from /proc (Linux)."""
+    total = 0.0
+    for p in procs:
+        if p is None:
+            continue
+        try:
+            fields = Path(f"/proc/{p.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def machine() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
@@ -463,18 +477,28 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 rps: dict[str, dict[str, Any]] = {name: {"runs": []} for name in targets}
                 task = progress.add_task("RPS phase", total=args.rounds * len(targets))
+                router_of = {"kvroute": ours, "sglang-router": sglang}
+                worker_procs = procs[: args.workers]
                 for r in range(args.rounds):
                     for name, urls in targets.items():
-                        rps[name]["runs"].append(
-                            await rps_run(
-                                session, urls, args.rps_concurrency, args.rps_seconds, args.seed + r
-                            )
+                        proc = router_of.get(name)
+                        cpu0 = (cpu_seconds(proc), cpu_seconds(*worker_procs), time.process_time())
+                        run = await rps_run(
+                            session, urls, args.rps_concurrency, args.rps_seconds, args.seed + r
                         )
+                        cpu1 = (cpu_seconds(proc), cpu_seconds(*worker_procs), time.process_time())
+                        per_req = 1e3 / max(1, run["completed"])
+                        run["router_cpu_ms_per_request"] = (cpu1[0] - cpu0[0]) * per_req if proc else 0.0
+                        run["workers_cpu_ms_per_request"] = (cpu1[1] - cpu0[1]) * per_req
+                        run["client_cpu_ms_per_request"] = (cpu1[2] - cpu0[2]) * per_req
+                        rps[name]["runs"].append(run)
                         progress.advance(task)
     finally:
         stop(procs)
     for entry in rps.values():
         entry["rps_mean"] = float(np.mean([run["rps"] for run in entry["runs"]]))
+        for key in ("router_cpu_ms_per_request", "workers_cpu_ms_per_request", "client_cpu_ms_per_request"):
+            entry[key] = float(np.mean([run[key] for run in entry["runs"]]))
     results: dict[str, Any] = {
         "machine": machine(),
         "config": {k: v for k, v in vars(args).items() if k not in ("command",)},
@@ -499,7 +523,18 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 def print_results(results: dict[str, Any]) -> None:
     console = Console()
     table = Table(title="router overhead (trivial workers; client, routers, workers on this machine)")
-    for col in ("target", "P50 TTFT ms", "P95 TTFT ms", "TTFT n", "fail", "RPS (mean)", "RPS runs"):
+    for col in (
+        "target",
+        "P50 TTFT ms",
+        "P95 TTFT ms",
+        "TTFT n",
+        "fail",
+        "RPS (mean)",
+        "RPS runs",
+        "router CPU ms/req",
+        "workers CPU ms/req",
+        "client CPU ms/req",
+    ):
         table.add_column(col, justify="right" if col != "target" else "left")
     for name, t in results["ttft"].items():
         r = results["rps"][name]
@@ -511,6 +546,9 @@ def print_results(results: dict[str, Any]) -> None:
             str(t["failures"]),
             f"{r['rps_mean']:.0f}",
             " ".join(f"{x['rps']:.0f}" for x in r["runs"]),
+            f"{r['router_cpu_ms_per_request']:.3f}",
+            f"{r['workers_cpu_ms_per_request']:.3f}",
+            f"{r['client_cpu_ms_per_request']:.3f}",
         )
     console.print(table)
     tg = results["targets"]

@@ -4,22 +4,30 @@ Lifecycle invariant: once ``Router.route`` returned a worker for a request, ``Ro
 that dispatch on every exit path (success, upstream error, client disconnect, timeout, retry), by a
 ``finally`` — the policy's load state never leaks. A request whose upstream connection fails before any
 byte reached the client is retried on another worker (``finish(ok=False)`` then ``route(exclude=...)``).
+Upstream traffic goes through :class:`kvroute.router.http_upstream.UpstreamPool` (keep-alive pools).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 from kvroute.router.health import HealthChecker
 from kvroute.router.http_metrics import RouterMetrics
+from kvroute.router.http_upstream import (
+    UpstreamBrokenError,
+    UpstreamConnectError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 from kvroute.router.http_validate import Endpoint, ParsedRequest, RequestError, parse_request
 from kvroute.router.types import NoWorkerAvailable, Request
 
@@ -29,36 +37,22 @@ REQUEST_ID_HEADER = "X-Request-Id"
 WORKER_HEADER = "X-Kvroute-Worker"  # which worker served the response (load generators count per worker)
 _SSE = "text/event-stream"
 
+# In JSON a quote inside a string is escaped, so '"prompt_tokens":' can only be a key: a regex on the raw
+# bytes finds the usage (OpenAI usage or SGLang meta_info) without parsing the whole response.
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
-def _usage_from(obj: Any) -> tuple[int | None, int | None]:
-    """(prompt_tokens, cached_tokens) from an OpenAI ``usage`` or SGLang ``meta_info`` object."""
-    if not isinstance(obj, dict):
+
+def usage_from_bytes(data: bytes) -> tuple[int | None, int | None]:
+    """(prompt_tokens, cached_tokens): the last occurrence of each in a JSON body or SSE stream tail."""
+    prompt = cached = None
+    for m in _PROMPT_TOKENS.finditer(data):
+        prompt = int(m.group(1))
+    if prompt is None:
         return None, None
-    usage = obj.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return usage["prompt_tokens"], cached if isinstance(cached, int) else None
-    meta = obj.get("meta_info")
-    if isinstance(meta, dict) and isinstance(meta.get("prompt_tokens"), int):
-        cached = meta.get("cached_tokens")
-        return meta["prompt_tokens"], cached if isinstance(cached, int) else None
-    return None, None
-
-
-def _usage_from_sse_tail(tail: bytes) -> tuple[int | None, int | None]:
-    """Scan the last SSE events of a stream, newest first, for usage / meta_info."""
-    for event in reversed(tail.split(b"\n\n")):
-        event = event.strip()
-        if not event.startswith(b"data:") or (b"prompt_tokens" not in event):
-            continue
-        try:
-            found = _usage_from(json.loads(event[5:]))
-        except ValueError:
-            continue
-        if found[0] is not None:
-            return found
-    return None, None
+    for m in _CACHED_TOKENS.finditer(data):
+        cached = int(m.group(1))
+    return prompt, cached
 
 
 class ProxyService:
@@ -67,29 +61,44 @@ class ProxyService:
     def __init__(
         self,
         router: Any,
-        session: aiohttp.ClientSession,
+        pool: UpstreamPool,
         health: HealthChecker,
         metrics: RouterMetrics,
         *,
         request_timeout_s: float,
         max_body_bytes: int,
-        connect_timeout_s: float = 2.0,
         max_attempts: int = 3,
     ) -> None:
         self.router = router
-        self.session = session
+        self.pool = pool
         self.health = health
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.max_attempts = max_attempts
-        self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
+        self.request_timeout_s = request_timeout_s
         self._active: set[str] = set()  # request keys currently dispatched (unique per Router)
         self._seq = itertools.count()
+        self._targets: dict[tuple[str, str], tuple[tuple[str, str, int], bytes]] = {}
         self._now: Callable[[], float] = time.monotonic
 
     @property
     def active_requests(self) -> int:
         return len(self._active)
+
+    def _target(self, worker: str, path: str) -> tuple[tuple[str, str, int], bytes]:
+        """(pool key, request line + fixed headers) per worker and path, cached."""
+        got = self._targets.get((worker, path))
+        if got is None:
+            if len(self._targets) > 10_000:  # workers come and go; keep the cache bounded
+                self._targets.clear()
+            parts = urlsplit(worker)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            head = (
+                f"POST {parts.path}{path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                "Content-Type: application/json\r\n"
+            ).encode("latin-1")
+            got = self._targets[(worker, path)] = ((parts.scheme, parts.hostname or "", port), head)
+        return got
 
     def _unique_key(self, request_id: str) -> str:
         # A client may reuse an X-Request-Id concurrently; the Router keys its state by id, so make it unique.
@@ -161,10 +170,16 @@ class ProxyService:
         request_id: str,
         t_arrival: float,
     ) -> web.StreamResponse:
-        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: request_id}
+        # the per-request header lines; values were validated (request id) or parsed by aiohttp (no CR/LF)
+        extra = f"Content-Length: {len(raw)}\r\n{REQUEST_ID_HEADER}: {request_id}\r\n"
         auth = request.headers.get("Authorization")
         if auth is not None:
-            headers["Authorization"] = auth
+            extra += f"Authorization: {auth}\r\n"
+        try:
+            extra_bytes = (extra + "\r\n").encode("latin-1")
+        except UnicodeEncodeError:
+            raise RequestError(400, "the Authorization header must be latin-1 text") from None
+        deadline = self._now() + self.request_timeout_s
         excluded: set[str] = set()
         for attempt in range(self.max_attempts):
             t_route = time.perf_counter()
@@ -186,8 +201,9 @@ class ProxyService:
             self.metrics.worker(worker).requests[parsed.endpoint].inc()
             outcome = _Outcome()
             try:
+                key, head = self._target(worker, path)
                 return await self._forward(
-                    request, parsed, req, raw, worker + path, worker, headers, t_arrival, outcome
+                    request, req, raw, key, head + extra_bytes, deadline, worker, t_arrival, outcome
                 )
             except _RetryableUpstreamError as exc:
                 self.metrics.errors.labels(worker, "connect").inc()
@@ -222,35 +238,38 @@ class ProxyService:
     async def _forward(
         self,
         request: web.Request,
-        parsed: ParsedRequest,
         req: Request,
         raw: bytes,
-        url: str,
+        key: tuple[str, str, int],
+        head: bytes,
+        deadline: float,
         worker: str,
-        headers: dict[str, str],
         t_arrival: float,
         outcome: _Outcome,
     ) -> web.StreamResponse:
         try:
-            upstream = await self.session.post(url, data=raw, headers=headers, timeout=self.timeout)
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            if isinstance(exc, aiohttp.ServerTimeoutError):
-                return self._timeout(worker)
-            raise _RetryableUpstreamError(f"{type(exc).__name__}: {exc}") from None
-        except asyncio.TimeoutError:
-            return self._timeout(worker)
-        async with upstream:
-            ctype = upstream.headers.get("Content-Type", "application/json")
+            upstream = await self.pool.post(key, head, raw, deadline)
+        except UpstreamConnectError as exc:
+            raise _RetryableUpstreamError(str(exc)) from None
+        except UpstreamTimeout:
+            self._timeout(worker)
+        except UpstreamBrokenError as exc:
+            self.metrics.errors.labels(worker, "upstream_broken").inc()
+            raise RequestError(
+                502, f"bad response from the worker: {exc}", err_type="server_error", code="upstream_broken"
+            ) from None
+        try:
+            ctype = upstream.content_type
             if upstream.status == 200 and ctype.startswith(_SSE):
                 return await self._stream(request, upstream, ctype, req, worker, t_arrival, outcome)
             try:
                 body = await upstream.read()
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                if isinstance(exc, aiohttp.ServerTimeoutError):
-                    return self._timeout(worker)
-                raise _RetryableUpstreamError(f"{type(exc).__name__}: {exc}") from None
-            except asyncio.TimeoutError:
-                return self._timeout(worker)
+            except UpstreamTimeout:
+                self._timeout(worker)
+            except (UpstreamBrokenError, UpstreamConnectError) as exc:
+                raise _RetryableUpstreamError(str(exc)) from None  # nothing reached the client yet
+        finally:
+            upstream.release()
         now = time.perf_counter()
         self.router.first_token(req.id, self._now())
         if upstream.status >= 500:
@@ -261,11 +280,8 @@ class ProxyService:
             series = self.metrics.worker(worker)
             series.ttft.observe(now - t_arrival)
             series.e2e.observe(now - t_arrival)
-            if upstream.status == 200 and ctype.startswith("application/json"):
-                try:
-                    outcome.prompt_tokens, outcome.cached_tokens = _usage_from(json.loads(body))
-                except ValueError:
-                    pass
+            if upstream.status == 200:
+                outcome.prompt_tokens, outcome.cached_tokens = usage_from_bytes(body)
         return web.Response(
             body=body, status=upstream.status, headers={"Content-Type": ctype, WORKER_HEADER: worker}
         )
@@ -273,7 +289,7 @@ class ProxyService:
     async def _stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         ctype: str,
         req: Request,
         worker: str,
@@ -285,7 +301,7 @@ class ProxyService:
         )
         tail = b""
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 try:
                     if not out.prepared:
                         # prepare lazily: until the first chunk is sent, a failed upstream can be retried
@@ -297,22 +313,26 @@ class ProxyService:
                     self.metrics.client_disconnects.inc()
                     return out
                 tail = (tail + chunk)[-8192:]
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as exc:
+        except (UpstreamBrokenError, UpstreamConnectError, UpstreamTimeout) as exc:
+            timed_out = isinstance(exc, UpstreamTimeout)
             if not out.prepared:
-                if isinstance(exc, asyncio.TimeoutError):
-                    return self._timeout(worker)
-                raise _RetryableUpstreamError(f"{type(exc).__name__}: {exc}") from None
+                if timed_out:
+                    self._timeout(worker)
+                raise _RetryableUpstreamError(str(exc)) from None
             # mid-stream upstream failure or timeout: tell the client in-band and end the stream
-            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_broken"
+            kind = "timeout" if timed_out else "upstream_broken"
             self.metrics.errors.labels(worker, kind).inc()
             err = RequestError(
-                504 if kind == "timeout" else 502,
+                504 if timed_out else 502,
                 f"upstream stream ended early: {kind}",
                 err_type="server_error",
                 code=kind,
             )
-            await out.write(b"data: " + err.json_bytes() + b"\n\n")
-            await out.write_eof()
+            try:
+                await out.write(b"data: " + err.json_bytes() + b"\n\n")
+                await out.write_eof()
+            except ConnectionResetError:
+                self.metrics.client_disconnects.inc()
             return out
         if not out.prepared:  # an empty 200 stream
             await out.prepare(request)
@@ -320,7 +340,7 @@ class ProxyService:
         outcome.ok = True
         self.health.report_success(worker)
         self.metrics.worker(worker).e2e.observe(time.perf_counter() - t_arrival)
-        outcome.prompt_tokens, outcome.cached_tokens = _usage_from_sse_tail(tail)
+        outcome.prompt_tokens, outcome.cached_tokens = usage_from_bytes(tail)
         return out
 
     def _timeout(self, worker: str) -> NoReturn:

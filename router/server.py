@@ -32,6 +32,7 @@ from kvroute.router.health import HealthChecker, normalize_worker_url
 from kvroute.router.http_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvroute.router.http_metrics import RouterMetrics
 from kvroute.router.http_proxy import REQUEST_ID_HEADER, ProxyService
+from kvroute.router.http_upstream import UpstreamPool
 from kvroute.router.http_validate import RequestError
 
 log = logging.getLogger("kvroute.router")
@@ -56,6 +57,7 @@ class RouterConfig:
     health_fail_threshold: int = 2
     health_recover_threshold: int = 1
     max_connections: int = 1024
+    connect_timeout_s: float = 2.0
     max_attempts: int = 3
     max_index_chars: int = 10_000_000
     seed: int | None = None
@@ -141,6 +143,7 @@ class RouterService:
         self.session: aiohttp.ClientSession | None = None
         self.health: HealthChecker | None = None
         self.proxy: ProxyService | None = None
+        self.pool: UpstreamPool | None = None
         self.metrics = RouterMetrics(self._snapshot, self._health_map)
         self.app = self._build_app()
 
@@ -165,8 +168,12 @@ class RouterService:
         connector = aiohttp.TCPConnector(
             limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=300
         )
+        # a proxy keeps no cookies and does not decompress: both cost time on every request
         self.session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=connector,
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self.health = HealthChecker(
             self.router,
@@ -176,9 +183,12 @@ class RouterService:
             recover_threshold=self.config.health_recover_threshold,
             scrape_metrics=self.config.scrape_metrics,
         )
+        self.pool = UpstreamPool(
+            connect_timeout_s=self.config.connect_timeout_s, max_idle_per_host=self.config.max_connections
+        )
         self.proxy = ProxyService(
             self.router,
-            self.session,
+            self.pool,
             self.health,
             self.metrics,
             request_timeout_s=self.config.request_timeout_s,
@@ -193,6 +203,7 @@ class RouterService:
             yield
         finally:
             await self.health.stop()
+            self.pool.close()
             await self.session.close()
 
     # ---- membership API (used by the admin endpoints and by the Ray watcher) --------------------------
@@ -362,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per upstream request")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health probes")
     p.add_argument("--health-fail-threshold", type=int, default=2)
-    p.add_argument("--max-connections", type=int, default=1024, help="upstream connection pool size")
+    p.add_argument("--max-connections", type=int, default=1024, help="idle keep-alive connections kept per worker")
     p.add_argument("--max-index-chars", type=int, default=10_000_000)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-scrape-metrics", action="store_true", help="do not read workers' /metrics")
