@@ -752,9 +752,14 @@ cdef class RadixTree:
             self._reserve_counts(u)
             rem = self.rem
             cnt = self.cnt
-            for i in range(u):
-                rem[i] = (<Node>self.arr[i]).length // p
-                cnt[i] = 0
+            if p == 1:  # skip u integer divisions per block in the common case
+                for i in range(u):
+                    rem[i] = (<Node>self.arr[i]).length
+                    cnt[i] = 0
+            else:
+                for i in range(u):
+                    rem[i] = (<Node>self.arr[i]).length // p
+                    cnt[i] = 0
             self.draw_blocks += 1
             d = _count_draws(&self.rng, u, rem, cnt, todo - done, &emptied)
             gone = <Node>self.arr[emptied] if emptied >= 0 else None
@@ -855,6 +860,9 @@ cdef class RadixTree:
             self._lock(e)  # the request holds its matched path while room is made
             try:
                 if self.pol == POLICY_RLT:
+                    # the most recently accessed path is this request's (even when it matched
+                    # nothing): a phase turning over during this insert keeps only it marked
+                    self.last_touched = e
                     # Algorithm 1 marks new page i before evicting for it; the phase turns over after
                     # marking page j, so evictions for pages >= j belong to the next phase.
                     j = (self.capacity - self.marked + self.page - 1) // self.page - 1
@@ -946,14 +954,18 @@ cdef class RadixTree:
         rlt and opt free whole pages (so up to page_size - 1 more than asked); lru frees whole leaf
         nodes, as SGLang does, so it may free more.
         """
-        if not isinstance(n_tokens, Integral) or isinstance(n_tokens, bool):
-            raise TypeError(f"evict: n_tokens must be an int, got {type(n_tokens).__name__}")
+        if type(n_tokens) is not int:  # fast path first: isinstance against an ABC is slow
+            if isinstance(n_tokens, bool) or not isinstance(n_tokens, Integral):
+                raise TypeError(f"evict: n_tokens must be an int, got {type(n_tokens).__name__}")
+            n_tokens = int(n_tokens)
         if n_tokens < 0:
             raise ValueError(f"evict: n_tokens must be >= 0, got {n_tokens}")
-        n_tokens = min(int(n_tokens), self.capacity + self.page)
+        cdef Py_ssize_t want = self.capacity + self.page
+        if n_tokens < want:
+            want = n_tokens
         if self.pol == POLICY_LRU:
-            return self._evict(n_tokens)
-        return self._evict((n_tokens + self.page - 1) // self.page * self.page)
+            return self._evict(want)
+        return self._evict((want + self.page - 1) // self.page * self.page)
 
     # ------------------------------------------------------------------ introspection (tests, benches)
     def _peek(self, tokens) -> int:

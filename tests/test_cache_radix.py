@@ -333,3 +333,19 @@ def test_trees_are_freed_without_the_cyclic_gc() -> None:
         assert live_nodes() > base  # held nodes (and their ancestors) stay valid objects
         held.clear()
         assert live_nodes() == base
+
+
+def test_rlt_phase_turning_over_inside_an_insert_keeps_only_the_new_path() -> None:
+    """Algorithm 1 marks each new token before evicting for it: the 10th distinct token (the first
+    new one here) starts a new phase in which the earlier leaves are all unmarked candidates."""
+    touched_third = 0
+    for seed in range(30):
+        c = RadixCache(10, policy="rlt", seed=seed)
+        for t in (1, 2, 3):
+            c.insert([t] * 3)
+        assert (c.marked_tokens, c.phases) == (9, 0)
+        assert c.insert([4] * 3) == 3
+        assert (c.phases, c.marked_tokens, c.total_size) == (1, 3, 10)
+        touched_third += c.match_prefix([3] * 3)[0] < 3
+        c._debug_check()
+    assert touched_third > 0  # the previous request's leaf is a candidate again in the new phase
