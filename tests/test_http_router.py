@@ -418,3 +418,45 @@ def test_1000_requests_with_random_client_disconnects_leave_no_load(policy: str)
 async def _post_read(session: aiohttp.ClientSession, url: str, payload: dict) -> None:
     async with session.post(url, json=payload) as r:
         await r.read()
+
+
+def test_membership_sync_adds_and_removes_workers_as_the_ray_watcher_reports() -> None:
+    async def body() -> None:
+        async with cluster(2) as c:
+            a, b = c.worker_urls
+            await c.service.sync_workers({"w-a": a})
+            assert c.router.workers == [a]
+            await c.service.sync_workers({"w-a": a + "/", "w-b": b})
+            assert sorted(c.router.workers) == sorted([a, b])
+            await c.service.sync_workers({})
+            assert c.router.workers == []
+            async with c.session.post(c.router_url + "/v1/completions", json={"prompt": "x"}) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["code"] == "no_worker"
+            async with c.session.get(c.router_url + "/health") as r:
+                assert r.status == 503
+            async with c.session.get(c.router_url + "/v1/models") as r:
+                assert r.status == 503
+            assert_no_load(c)
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--policy", "no_such_policy"],
+        ["--worker-urls", "localhost:1"],
+        ["--policy", "cache_aware", "--policy-option", "no_such_option=1"],
+        ["--policy-option", "novalue"],
+        ["--max-body-bytes", "0"],
+        ["--request-timeout", "-1"],
+        ["--health-interval", "0"],
+    ],
+)
+def test_router_cli_rejects_bad_arguments_with_exit_code_2(argv: list[str]) -> None:
+    from kvroute.router.server import main
+
+    with pytest.raises(SystemExit) as info:  # argparse errors exit 2 too
+        raise SystemExit(main(argv))
+    assert info.value.code == 2
