@@ -418,7 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=list(TRACES),
         help="traces to replay (default: both; gsp-rr at 190k, gsp-random at 200k)",
     )
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument(
+        "--policies",
+        nargs="+",
+        choices=POLICIES,
+        default=None,
+        help="default: all; with --sweep lru rlt opt (lru-py decides exactly as lru, only slower)",
+    )
     parser.add_argument("--capacity", type=_positive, default=None, help="cache size in tokens")
     parser.add_argument(
         "--sweep",
@@ -467,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--sweep and --capacity are exclusive (use --sweep-range)")
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         parser.error(f"--plot needs a .png file name, got {args.plot!r}")
+    if args.policies is None:
+        args.policies = ["lru", "rlt", "opt"] if args.sweep else list(POLICIES)
     console = Console(stderr=True)
     if args.latency:
         lat = run_latency(args, console)
