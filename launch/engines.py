@@ -41,19 +41,24 @@ def default_engine_python(engine: str) -> str:
     return sys.executable
 
 
-def count_gpus() -> int:
-    """NVIDIA GPUs visible on this host (0 without nvidia-smi)."""
+def gpu_ids() -> list[str]:
+    """CUDA device ids this host lets us use: CUDA_VISIBLE_DEVICES when set, else every GPU nvidia-smi lists."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return 0
+        return []
     try:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=10, check=False).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+        return []
+    return [str(i) for i, line in enumerate(ln for ln in out.splitlines() if ln.startswith("GPU "))]
+
+
+def count_gpus() -> int:
+    """NVIDIA GPUs usable on this host (0 without nvidia-smi)."""
+    return len(gpu_ids())
 
 
 def resolve_device(cfg: ClusterConfig) -> str:

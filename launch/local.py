@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 from kvroute.launch.config import ClusterConfig
-from kvroute.launch.engines import EngineCommand, count_gpus, engine_command, resolve_device
+from kvroute.launch.engines import EngineCommand, engine_command, gpu_ids, resolve_device
 
 PR_SET_PDEATHSIG = 1
 LAUNCH_ID_ENV = "KVROUTE_LAUNCH_ID"
@@ -199,15 +199,17 @@ class LocalWorkers:
         self.cfg = cfg
         self.device = resolve_device(cfg)
         ports = free_ports(cfg.workers, cfg.worker_host)
-        gpus = count_gpus() if self.device == "gpu" else 0
-        if self.device == "gpu" and gpus < cfg.workers:
-            raise ValueError(f"workers: {cfg.workers} workers need {cfg.workers} GPUs, this host has {gpus}")
+        gpus = gpu_ids() if self.device == "gpu" else []
+        if self.device == "gpu" and len(gpus) < cfg.workers:
+            raise ValueError(
+                f"workers: {cfg.workers} workers need {cfg.workers} GPUs, this host has {len(gpus)}"
+            )
         self.urls = [f"http://{_url_host(cfg.worker_host)}:{port}" for port in ports]
         self.commands: list[EngineCommand] = []
         self.procs: list[ManagedProcess] = []
         for i, port in enumerate(ports):
             cmd = engine_command(
-                cfg, i, port, device=self.device, gpu=str(i) if self.device == "gpu" else None
+                cfg, i, port, device=self.device, gpu=gpus[i] if self.device == "gpu" else None
             )
             self.commands.append(cmd)
             self.procs.append(

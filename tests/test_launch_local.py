@@ -154,3 +154,15 @@ def test_engine_commands() -> None:
     ]
     with pytest.raises(ValueError, match="port"):
         engine_command(ClusterConfig(), 0, 0, device="cpu")
+
+
+def test_one_gpu_per_worker_from_visible_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvroute.launch.local import LocalWorkers
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    cfg = ClusterConfig(workers=2, engine="vllm", model="/m", engine_python=sys.executable, device="gpu")
+    workers = LocalWorkers(cfg, tmp_path, "tag")
+    assert [c.env["CUDA_VISIBLE_DEVICES"] for c in workers.commands] == ["2", "5"]
+    assert [row["placement"] for row in workers.rows()] == ["gpu 2", "gpu 5"]
+    with pytest.raises(ValueError, match="workers: 3 workers need 3 GPUs"):
+        LocalWorkers(cfg.model_copy(update={"workers": 3}), tmp_path, "tag")
