@@ -519,7 +519,8 @@ cdef class PrefixIndex:
 
     # -- introspection (tests, snapshot) ---------------------------------------------------------------
     def last_used(self, str text, worker):
-        """Last-use time ``worker`` recorded on the node where ``text`` ends (None if not held there)."""
+        """Last-use time ``worker`` recorded on the node covering the last character of ``text``
+        (None if that node is not held by ``worker`` or ``text`` is not in the index)."""
         cdef int slot = self._slot(worker, False)
         cdef _Node node = self.root
         cdef _Node child

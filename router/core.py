@@ -97,8 +97,9 @@ class Router:
         return view.id
 
     def decide(self, request: Request, now: float, exclude: Collection[str] = ()) -> str:
-        """The worker ``route`` would choose, without dispatching (no state changes except the policy's
-        random stream and any bounded training increment the policy does in ``choose``)."""
+        """The worker ``route`` would choose, without dispatching: no request, load or index state
+        changes. The policy's own decision state may advance (its random stream, round_robin's cursor),
+        exactly as in a ``route`` call."""
         return self._decide(request, now, exclude).id
 
     def _decide(self, request: Request, now: float, exclude: Collection[str]) -> WorkerView:

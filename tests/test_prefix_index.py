@@ -246,3 +246,17 @@ def test_bounded_index_never_overclaims(ops: list[tuple[str, str, str]], max_cha
                 assert n <= truth.get(w, 0)  # trimming may forget, never invent
         assert ix.stored_chars <= max_chars
         ix.check_invariants()
+
+
+def test_last_used_times_follow_inserts_along_the_path() -> None:
+    ix = PrefixIndex(1000)
+    ix.insert("abcdef", "w", 1.0)
+    ix.insert("abcxyz", "w", 5.0)
+    ix.insert("abc", "v", 7.0)
+    assert ix.last_used("abcdef", "w") == 1.0
+    assert ix.last_used("abcxyz", "w") == 5.0
+    assert ix.last_used("abc", "w") == 5.0  # the shared prefix was used by the later insert
+    assert ix.last_used("abc", "v") == 7.0
+    assert ix.last_used("abcdef", "v") is None
+    assert ix.last_used("ab", "w") == 5.0  # mid-edge: the node covering its last character
+    assert ix.last_used("abc", "nobody") is None
