@@ -137,3 +137,14 @@ def test_launch_with_bench_reports_and_shuts_down(tmp_path: Path) -> None:
     assert row["p50_ttft_ms"] > 0 and row["throughput_rps"] > 0
     assert "P50 TTFT" in launch.output() and "stopped." in launch.output()  # the report is printed
     assert_no_leftovers(launch.launch_id)
+
+
+def test_worker_that_cannot_start_fails_the_launch_fast(tmp_path: Path) -> None:
+    # an engine that exits at once: the launch fails naming the worker and its log, and stops the rest
+    launch = Launch(["--workers", "2", "--engine-python", "/bin/false"], tmp_path / "logs")
+    rc = launch.proc.wait(timeout=60)
+    launch.stop()
+    assert rc == 1
+    out = launch.output()
+    assert "launch failed" in out and "exited with code 1" in out and "worker-0.log" in out.replace("\n", "")
+    assert_no_leftovers(launch.launch_id)
