@@ -42,6 +42,7 @@ class ReplayResult:
     prompt_tokens: int
     evicted_tokens: int
     ns_per_evicted_token: float
+    us_per_evict_call: float
     evict_calls: int
     requests_per_s: float
     requests: int
@@ -104,6 +105,7 @@ def replay(
         prompt_tokens=prompt_tokens,
         evicted_tokens=evicted,
         ns_per_evicted_token=evict_ns / evicted if evicted else 0.0,
+        us_per_evict_call=evict_ns / calls / 1000 if calls else 0.0,
         evict_calls=calls,
         requests_per_s=len(requests) / seconds if seconds > 0 else float("inf"),
         requests=len(requests),
@@ -173,6 +175,7 @@ def best_of(runs: Sequence[ReplayResult]) -> ReplayResult:
         **{
             **asdict(first),
             "ns_per_evicted_token": min(r.ns_per_evicted_token for r in runs),
+            "us_per_evict_call": min(r.us_per_evict_call for r in runs),
             "requests_per_s": fastest.requests_per_s,
             "seconds": fastest.seconds,
         }
@@ -188,6 +191,7 @@ def print_table(results: Sequence[ReplayResult], console: Console) -> None:
         "hit rate",
         "evicted tokens",
         "ns/evicted token",
+        "us/evict call",
         "requests/s",
     ):
         table.add_column(col, justify="left" if col in ("trace", "policy") else "right")
@@ -199,6 +203,7 @@ def print_table(results: Sequence[ReplayResult], console: Console) -> None:
             f"{100 * r.hit_rate:.2f}%",
             f"{r.evicted_tokens:,}",
             f"{r.ns_per_evicted_token:.2f}",
+            f"{r.us_per_evict_call:.2f}",
             f"{r.requests_per_s:,.0f}",
         )
     console.print(table)
@@ -429,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="replay at capacities 150k..210k (see --sweep-range) and plot hit rate",
+        help="replay at capacities 150k..210k (see --sweep-range) and plot hit rate "
+        "(to --plot, default evict_sweep.png)",
     )
     parser.add_argument("--sweep-range", type=_sweep_range, default=SWEEP_DEFAULT, metavar="LO:HI:STEP")
     parser.add_argument(
@@ -488,9 +494,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
         print_table(results, Console(width=140))
-    if args.plot:
-        plot_replays(results, args.plot, args.sweep)
-        console.print(f"plot written to {args.plot}")
+    plot = args.plot or ("evict_sweep.png" if args.sweep else None)  # a sweep is read as a figure
+    if plot:
+        plot_replays(results, plot, args.sweep)
+        console.print(f"plot written to {plot}")
     return 0
 
 
