@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ARG",
         help="extra `kvroute router` argument (repeatable), e.g. --router-arg=--seed=1",
     )
-    p.add_argument("--log-dir", help="one log file per process here (default kvroute-logs/<time>)")
+    p.add_argument("--log-dir", help="one log file per process here (default logs/launch-<time>)")
     p.add_argument(
         "--health-timeout",
         dest="health_timeout_s",
@@ -291,7 +291,7 @@ async def run(cfg: ClusterConfig, *, console: Console | None = None) -> int:
 
     # every child carries this tag, so leftovers can be found; a caller may choose it (tests do)
     launch_id = os.environ.get(LAUNCH_ID_ENV) or uuid.uuid4().hex[:12]
-    log_dir = Path(cfg.log_dir or Path("kvroute-logs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    log_dir = Path(cfg.log_dir or Path("logs") / time.strftime("launch-%Y%m%d-%H%M%S")).resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
     workers: Workers | None = None
     ray_cluster: Any = None
