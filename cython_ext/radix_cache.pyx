@@ -18,6 +18,12 @@ Invariants (checked by ``_debug_check``):
   share one mark: per-node marking equals token-level marking. ``marked`` is the number of distinct
   marked tokens (sum of lengths of nodes with ``phase == current``); marked tokens are never evicted
   within a phase, and a marked node's ancestors are marked (a touch covers the whole root path).
+* RLT phases: when ``marked`` reaches ``capacity`` the phase turns over and only the most recently
+  accessed root path stays marked. Inside ``insert``, Algorithm 1 marks each new page before evicting
+  for it, so evictions for the pages after the turnover are drawn in the new phase. With no unmarked
+  candidate left, a new phase starts; if even then only the most recently accessed path is left, an
+  explicit ``evict`` frees it too (uniform draws), because its caller needs the memory. Draws come
+  from a seeded splitmix64 stream (``seed``), exact-uniform through Lemire's rejection.
 """
 
 cimport cython
