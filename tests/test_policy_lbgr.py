@@ -178,3 +178,45 @@ def test_bias_only_variant_learns_only_the_intercept() -> None:
     assert theta[3] == pytest.approx(0.7 - r.policy.service_time(Request("q", "y" * 400, 100), 0), abs=0.02)
     with pytest.raises(ValueError, match="residual_features"):
         make_policy("lbgr", residual_features="quadratic")
+
+
+def test_monotone_predictions_never_make_extra_load_cheaper() -> None:
+    rng = random.Random(2)
+    fitted = {}
+    for monotone in (True, False):
+        p = policy(monotone=monotone)
+        for i in range(400):  # latency that *falls* with in-flight count in the data
+            n = rng.randrange(0, 10)
+            p.observe("a", (0.1, 0.0, float(n), 1.0), 2.0 - 0.1 * n + rng.gauss(0, 0.01), now=0.01 * i)
+        fitted[monotone] = p
+    assert fitted[True].theta("a")[2] == pytest.approx(-0.1, abs=0.02)  # the fit itself is untouched
+    low = fitted[True].residual("a", 0.1, 0.0, 5, now=4.0)
+    high = fitted[True].residual("a", 0.1, 0.0, 50, now=4.0)
+    assert high >= low  # prediction: the slope on n is clamped at 0
+    assert fitted[False].residual("a", 0.1, 0.0, 50, now=4.0) < fitted[False].residual(
+        "a", 0.1, 0.0, 5, now=4.0
+    )
+
+
+def test_uncertainty_penalty_prefers_the_worker_whose_data_covers_the_current_load() -> None:
+    rng = random.Random(3)
+    p = policy()
+    for i in range(600):
+        t = 0.01 * i
+        # same true model y = 1 + 0.01 n on both; a only ever saw n in [0, 5], b saw n in [0, 100]
+        na, nb = rng.randrange(0, 6), rng.randrange(0, 101)
+        p.observe("a", (0.1, 0.0, float(na), 1.0), 1.0 + 0.01 * na + rng.gauss(0, 0.2), now=t)
+        p.observe("b", (0.1, 0.0, float(nb), 1.0), 1.0 + 0.01 * nb + rng.gauss(0, 0.2), now=t)
+    assert p.penalty("a", 0.1, 0.0, 80, now=6.0) > 3 * p.penalty("b", 0.1, 0.0, 80, now=6.0)
+    assert p.penalty("a", 0.1, 0.0, 2, now=6.0) < p.penalty("a", 0.1, 0.0, 80, now=6.0)
+    for w in p._workers.values():  # give both the same mean model: only the uncertainty differs now
+        w.model.theta = [0.0, 0.0, 0.01, 1.0]
+        p._refresh(w)
+    req = Request("r", "x" * 400, 100)
+    views = [WorkerView("a", 80, 0, 0.0, 0), WorkerView("b", 80, 0, 0.0, 0)]
+    assert {p.choose(req, views, 6.0) for _ in range(20)} == {"b"}
+    unguarded = policy(uncertainty_penalty=0.0)
+    unguarded._workers = p._workers  # same fitted models, no penalty: the two look alike again
+    for w in unguarded._workers.values():
+        unguarded._refresh(w)
+    assert {unguarded.choose(req, views, 6.0) for _ in range(60)} == {"a", "b"}
