@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 
 VOCAB_SIZE = 32000
 UNKNOWN_ID_LIMIT = 2**31  # ids of unknown words lie in [VOCAB_SIZE, UNKNOWN_ID_LIMIT)
@@ -90,8 +91,14 @@ def decode(ids: Iterable[int]) -> str:
     """Text of token ids, words joined by single spaces."""
     words = _WORDS
     ids = ids if isinstance(ids, (list, tuple)) else list(ids)
-    if ids and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < VOCAB_SIZE:
-        return " ".join([words[i] for i in ids])  # fast path: vocabulary ids only
+    if len(ids) > 1:
+        # fast path, C loops only: vocabulary ids (itemgetter raises for ids past the end or non-ints;
+        # the min() check stops negative ids from wrapping around)
+        try:
+            if min(ids) >= 0:
+                return " ".join(itemgetter(*ids)(words))
+        except (IndexError, TypeError):
+            pass  # the checked loop below says exactly what is wrong, or writes unknown ids
     parts: list[str] = []
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int):
