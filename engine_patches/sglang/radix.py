@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 from kvroute.engine_patches.sglang.rlt_core import UNMARKED, RLTLeafSet, RLTPhase, draw_pages, mark_path
 from kvroute.engine_patches.sglang.strategy import RLTStrategy, resolve_capacity
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
@@ -89,7 +90,7 @@ def _make_rlt_class(cls: type) -> type:
                     leaves.on_new_phase()
                     continue
                 room = np.fromiter(
-                    (len(n.key) // page - taken_by_node.get(n, 0) for n in candidates),
+                    (n.value.shape[0] // page - taken_by_node.get(n, 0) for n in candidates),
                     dtype=np.int64,
                     count=len(candidates),
                 )
@@ -102,12 +103,36 @@ def _make_rlt_class(cls: type) -> type:
                     node = candidates[emptied]
                     del taken_by_node[node]
                     evicted += self._rlt_delete_leaf(node)  # its parent may become a candidate
+            tails = []
             for node, n_pages in taken_by_node.items():
                 keep = len(node.key) - n_pages * page
-                if keep > 0:
+                if keep <= 0:
+                    evicted += self._rlt_delete_leaf(node)
+                elif self.kv_events.enabled:
+                    # KV events name whole nodes: split so the drawn pages form a node of their own
                     self._split_node(node.key, node, keep)  # node keeps the tail, a new parent the rest
-                evicted += self._rlt_delete_leaf(node)
+                    evicted += self._rlt_delete_leaf(node)
+                else:
+                    tails.append(self._rlt_trim_tail(node, keep))
+            if tails:
+                freed = torch.cat(tails)
+                self.token_to_kv_pool_allocator.free_segment(freed, start_pos=0)
+                evicted += int(freed.numel())
             return evicted
+
+        def _rlt_trim_tail(self, node: Any, keep: int) -> Any:
+            """Cut a leaf after its first ``keep`` tokens (a page multiple), in place; returns the slots
+            cut. The leaf stays a leaf with the same parent and child key (its first page is kept)."""
+            tail = node.value[keep:]
+            node.value = node.value[:keep]
+            node.key = node.key[:keep]
+            pages = keep // self.page_size
+            if node.hash_value is not None:
+                node.hash_value = node.hash_value[:pages]
+            if node.event_hash_value is not None:
+                node.event_hash_value = node.event_hash_value[:pages]
+            self.evictable_size_ -= len(tail)
+            return tail
 
         def _rlt_delete_leaf(self, node: Any) -> int:
             # the same three steps as SGLang's own RadixCache.evict applies to its victim

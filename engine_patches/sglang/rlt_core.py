@@ -206,8 +206,8 @@ def draw_pages(rng: np.random.Generator, room: np.ndarray, quota: int) -> tuple[
     ``room[i]`` >= 1 is how many pages candidate i still has. Each draw picks a candidate uniformly
     and takes one page from it; the run stops after ``quota`` draws or right after the draw that takes
     a candidate's last page (it leaves the candidate set, its parent may join it: the caller applies
-    that before drawing again). Draws are generated in numpy batches; the result is distributed
-    exactly as drawing one at a time.
+    that before drawing again). The draws are generated in numpy (multinomial counts, ordered only
+    when a candidate may run out); the result is distributed exactly as drawing one at a time.
 
     Returns ``(taken, n_draws, emptied)``: pages taken per candidate, draws made, and the index of the
     emptied candidate or -1.
@@ -215,23 +215,20 @@ def draw_pages(rng: np.random.Generator, room: np.ndarray, quota: int) -> tuple[
     m = int(room.shape[0])
     if m == 0 or quota <= 0:
         return np.zeros(m, dtype=np.int64), 0, -1
-    taken = np.zeros(m, dtype=np.int64)
-    done = 0
-    while done < quota:
-        left = room - taken
-        # about the draws needed before the smallest candidate can run out: few batches either way
-        batch = int(min(quota - done, max(32, m * int(left.min()))))
-        draws = rng.integers(0, m, size=batch)
-        order = np.argsort(draws, kind="stable")
-        ordered = draws[order]
-        starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-        run_lengths = np.diff(np.r_[starts, batch])
-        rank = np.arange(batch) - np.repeat(starts, run_lengths)  # k-th draw of its candidate here
-        emptying = rank == left[ordered] - 1
-        if emptying.any():
-            first = int(order[emptying].min())  # earliest draw (in draw order) that empties one
-            taken += np.bincount(draws[: first + 1], minlength=m)
-            return taken, done + first + 1, int(draws[first])
-        taken += np.bincount(draws, minlength=m)
-        done += batch
-    return taken, done, -1
+    # The counts of `quota` i.i.d. uniform draws are multinomial; when no candidate reaches its room,
+    # no draw emptied one and the counts are the answer (the common case: one O(m) call). Otherwise
+    # the same draws in a uniformly random order are the i.i.d. sequence, scanned for the first draw
+    # that empties a candidate.
+    counts = rng.multinomial(quota, np.full(m, 1.0 / m))
+    if (counts < room).all():
+        return counts.astype(np.int64), quota, -1
+    draws = rng.permutation(np.repeat(np.arange(m), counts))
+    order = np.argsort(draws, kind="stable")
+    ordered = draws[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    run_lengths = np.diff(np.concatenate((starts, [quota])))
+    rank = np.arange(quota) - np.repeat(starts, run_lengths)  # this is the (rank+1)-th draw of its candidate
+    emptying = rank == room[ordered] - 1
+    first = int(order[emptying].min())  # earliest draw (in draw order) that takes a last page
+    taken = np.bincount(draws[: first + 1], minlength=m).astype(np.int64)
+    return taken, first + 1, int(draws[first])

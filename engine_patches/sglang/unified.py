@@ -16,6 +16,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import torch
 from kvroute.engine_patches.sglang.rlt_core import UNMARKED, RLTLeafSet, RLTPhase, draw_pages, mark_path
 from kvroute.engine_patches.sglang.strategy import POLICY_NAME, RLTStrategy, resolve_capacity
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
@@ -68,6 +69,39 @@ class RLTUnifiedTreeCore(UnifiedTreeCore):
     def _insert_tail_step(self, state: Any) -> None:
         super()._insert_tail_step(state)
         mark_path(state.target_node, self.root_node, self.rlt_phase, self.evictable_device_leaves)
+
+    def rlt_in_place_trim_allowed(self) -> bool:
+        """Whether a leaf's tail may be cut in place: only FULL device KV, nothing that names nodes or
+        pages outside the tree (KV events, HiCache host copies, storage, external linker)."""
+        return (
+            tuple(self.component_types) == (FULL,)
+            and not self.kv_events.enabled
+            and not self.enable_hicache
+            and not self.enable_storage
+            and not self.enable_external_cache_linker
+        )
+
+    def rlt_node_trimmable(self, node: Any) -> bool:
+        return (
+            node.component_data[FULL].host_value is None
+            and node.write_through_pending_id is None
+            and node.load_back_pending_id is None
+        )
+
+    def rlt_trim_tail(self, node: Any, keep: int) -> Any:
+        """Cut an unlocked device leaf after its first ``keep`` tokens (a page multiple), in place;
+        returns the slots cut. Parent, child key (the first page) and leaf status are unchanged."""
+        cd = node.component_data[FULL]
+        tail = cd.value[keep:]
+        cd.value = cd.value[:keep]
+        node.key = node.key[:keep]
+        pages = keep // self.page_size
+        if node.hash_value is not None:
+            node.hash_value = node.hash_value[:pages]
+        if node.event_hash_value is not None:
+            node.event_hash_value = node.event_hash_value[:pages]
+        self.component_evictable_size_[FULL] -= len(tail)
+        return tail
 
     def _split_node(self, key: Any, child: Any, split_len: int):
         new_node, action = super()._split_node(key, child, split_len)
@@ -132,7 +166,8 @@ class RLTFullComponentMixin:
                 return node.id
             if self._rlt_round_left <= 0:
                 if self._rlt_taken:
-                    self._rlt_flush_round()
+                    if self._rlt_flush_round(tracker, device_frees):
+                        return None  # trimmed in place: progress without a victim node
                     continue
                 if tracker[FULL] >= self._evict_device_request_cnt:
                     return None
@@ -151,7 +186,7 @@ class RLTFullComponentMixin:
                 continue
             taken_by_node = self._rlt_taken
             room = np.fromiter(
-                (len(n.key) // page - taken_by_node.get(n, 0) for n in candidates),
+                (n.component_data[FULL].value.shape[0] // page - taken_by_node.get(n, 0) for n in candidates),
                 dtype=np.int64,
                 count=len(candidates),
             )
@@ -166,9 +201,29 @@ class RLTFullComponentMixin:
                 return node.id  # the whole leaf goes; SGLang evicts it
             self._rlt_round_left = 0
 
-    def _rlt_flush_round(self) -> None:
-        self._rlt_trims.extend(self._rlt_taken.items())
+    def _rlt_flush_round(self, tracker: dict, device_frees: dict) -> bool:
+        """End a round: cut the drawn pages off their leaves. Where the tree holds nothing but FULL KV
+        on the device (no HiCache, storage, KV events, SWA/Mamba data), a leaf's tail is cut in place
+        and its slots go to ``device_frees`` in one step; elsewhere the leaf is split so the drawn
+        pages form a leaf of their own that SGLang's loop evicts (queued in ``_rlt_trims``). Returns
+        whether anything was cut in place."""
+        core: RLTUnifiedTreeCore = self.tree_core
+        page = core.page_size
+        in_place = core.rlt_in_place_trim_allowed()
+        tails = []
+        for node, n_pages in self._rlt_taken.items():
+            keep = len(node.key) - n_pages * page
+            if in_place and keep > 0 and core.rlt_node_trimmable(node):
+                tails.append(core.rlt_trim_tail(node, keep))
+            else:
+                self._rlt_trims.append((node, n_pages))
         self._rlt_taken = {}
+        if not tails:
+            return False
+        freed = torch.cat(tails)
+        device_frees[FULL].append(freed)
+        tracker[FULL] += int(freed.numel())
+        return True
 
 
 _RLT_FULL_CLASSES: dict[type, type] = {}
