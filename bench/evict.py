@@ -453,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--latency-segment",
         type=_positive,
-        default=20,
-        help="tokens per new branch while filling (~2 nodes per branch)",
+        default=16,
+        help="tokens per new branch while filling (~1.7 nodes per branch: ~100k nodes at 1M tokens)",
     )
     parser.add_argument("--latency-evictions", type=_positive, default=10_000)
     parser.add_argument("--page-size", type=_positive, default=1, help="page size for --latency")

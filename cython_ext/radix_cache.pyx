@@ -30,7 +30,7 @@ cimport cython
 from cpython.ref cimport PyObject
 from cpython.dict cimport PyDict_GetItem
 from libc.stdint cimport int64_t, uint64_t, INT64_MAX
-from libc.stdlib cimport free, malloc, realloc
+from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy
 
 import os
@@ -242,8 +242,6 @@ cdef struct Rng:
     uint64_t state     # splitmix64
     uint64_t bits      # unused 16-bit chunks of the last output
     int nchunks
-    uint64_t bound     # _draw returns uniform integers in [0, bound)
-    uint64_t thresh    # Lemire rejection threshold for bound
 
 
 cdef inline uint64_t _splitmix64(uint64_t* state) noexcept nogil:
@@ -254,73 +252,44 @@ cdef inline uint64_t _splitmix64(uint64_t* state) noexcept nogil:
     return z ^ (z >> 31)
 
 
-cdef inline void _draw_setup(Rng* r, Py_ssize_t bound) noexcept nogil:
-    """Prepare ``_draw`` for uniform integers in [0, bound), 0 < bound < 2**32."""
-    r.bound = <uint64_t>bound
-    if bound <= 0x10000ULL:
-        r.thresh = (0x10000 - r.bound) % r.bound
-    else:
-        r.thresh = (0x100000000ULL - r.bound) % r.bound
-
-
-cdef inline Py_ssize_t _draw(Rng* r) noexcept nogil:
-    """Uniform integer in [0, bound): Lemire's multiply-shift with rejection (exact), on 16-bit
-    chunks of splitmix64 output when the bound fits in 16 bits (four draws per 64-bit word)."""
-    cdef uint64_t x, m
-    if r.bound <= 0x10000ULL:
-        while True:
-            if r.nchunks == 0:
-                r.bits = _splitmix64(&r.state)
-                r.nchunks = 4
-            x = r.bits & 0xFFFFULL
-            r.bits >>= 16
-            r.nchunks -= 1
-            m = x * r.bound
-            if (m & 0xFFFFULL) >= r.thresh:
-                return <Py_ssize_t>(m >> 16)
-    while True:
-        x = _splitmix64(&r.state) >> 32
-        m = x * r.bound
-        if (m & 0xFFFFFFFFULL) >= r.thresh:
-            return <Py_ssize_t>(m >> 32)
-
-
-cdef Py_ssize_t _count_draws(Rng* r, Py_ssize_t u, const int64_t* rem, int64_t* cnt, Py_ssize_t todo,
-                             Py_ssize_t* emptied) noexcept nogil:
+cdef Py_ssize_t _count_draws(Rng* r, PyObject** arr, Py_ssize_t u, Py_ssize_t page, int64_t* rem,
+                             int64_t* cnt, Py_ssize_t* touched, Py_ssize_t* n_touched, Py_ssize_t todo,
+                             Py_ssize_t* emptied) noexcept:
     """Draw up to ``todo`` uniform candidates in [0, u), counting per candidate; stop at the draw
     that takes a candidate's last page (its index goes to ``emptied``). Returns the draws made.
 
-    The generator state lives in locals here: ``cnt`` may alias it as far as C knows, which would
+    ``cnt`` is all zeros on entry; a candidate's remaining pages are read when it is first drawn
+    and the drawn ones are listed in ``touched``, so a block costs O(draws), never O(candidates).
+    The generator state lives in locals: ``cnt`` may alias it as far as C knows, which would
     otherwise force a reload of the state after every count."""
-    cdef Py_ssize_t d = 0, i
-    cdef uint64_t state, bits, x, m, bound = <uint64_t>u, thresh
-    cdef int nchunks
+    cdef Py_ssize_t d = 0, i, nt = 0
+    cdef uint64_t state = r.state, bits = r.bits, x, m, bound = <uint64_t>u, thresh
+    cdef int nchunks = r.nchunks
+    cdef bint small = u <= 0x10000
     emptied[0] = -1
-    if u > 0x10000:
-        _draw_setup(r, u)
-        while d < todo:
-            i = _draw(r)
-            cnt[i] += 1
-            d += 1
-            if cnt[i] == rem[i]:
-                emptied[0] = i
-                break
-        return d
-    state = r.state
-    bits = r.bits
-    nchunks = r.nchunks
-    thresh = (0x10000ULL - bound) % bound
+    thresh = (0x10000ULL - bound) % bound if small else (0x100000000ULL - bound) % bound
     while d < todo:
-        if nchunks == 0:
-            bits = _splitmix64(&state)
-            nchunks = 4
-        x = bits & 0xFFFFULL
-        bits >>= 16
-        nchunks -= 1
-        m = x * bound
-        if (m & 0xFFFFULL) < thresh:
-            continue
-        i = <Py_ssize_t>(m >> 16)
+        if small:  # four 16-bit draws per 64-bit output
+            if nchunks == 0:
+                bits = _splitmix64(&state)
+                nchunks = 4
+            x = bits & 0xFFFFULL
+            bits >>= 16
+            nchunks -= 1
+            m = x * bound
+            if (m & 0xFFFFULL) < thresh:
+                continue
+            i = <Py_ssize_t>(m >> 16)
+        else:
+            x = _splitmix64(&state) >> 32
+            m = x * bound
+            if (m & 0xFFFFFFFFULL) < thresh:
+                continue
+            i = <Py_ssize_t>(m >> 32)
+        if cnt[i] == 0:
+            touched[nt] = i
+            nt += 1
+            rem[i] = (<Node>arr[i]).length // page
         cnt[i] += 1
         d += 1
         if cnt[i] == rem[i]:
@@ -329,6 +298,7 @@ cdef Py_ssize_t _count_draws(Rng* r, Py_ssize_t u, const int64_t* rem, int64_t* 
     r.state = state
     r.bits = bits
     r.nchunks = nchunks
+    n_touched[0] = nt
     return d
 
 
@@ -353,6 +323,7 @@ cdef class RadixTree:
     cdef Rng rng
     cdef int64_t* rem          # rlt block draws: remaining pages and draws per candidate
     cdef int64_t* cnt
+    cdef Py_ssize_t* touched
     cdef Py_ssize_t counts_cap
     # lru
     cdef int64_t tick
@@ -378,6 +349,7 @@ cdef class RadixTree:
         self.scratch = NULL
         self.rem = NULL
         self.cnt = NULL
+        self.touched = NULL
         self.phase = 0
 
     def __dealloc__(self):
@@ -385,6 +357,7 @@ cdef class RadixTree:
         free(self.scratch)
         free(self.rem)
         free(self.cnt)
+        free(self.touched)
         # Node is not tracked by the GC: break the parent<->children cycles here (iteratively, so
         # deep trees do not recurse on deallocation)
         cdef list nodes = [self.root]
@@ -739,11 +712,9 @@ cdef class RadixTree:
         the block ends at the draw that empties a leaf. This is the same process as drawing and
         evicting one page at a time, without touching a node per draw.
         """
-        cdef Py_ssize_t p = self.page, todo = (want + p - 1) // p, done = 0, u, i, d, emptied
+        cdef Py_ssize_t p = self.page, todo = (want + p - 1) // p, done = 0, u, i, d, emptied, nt, k
         cdef bint last_path = False
-        cdef Node n, gone
-        cdef int64_t* rem
-        cdef int64_t* cnt
+        cdef Node gone
         while done < todo:
             if self.n_unmarked == 0 and not last_path:
                 if self.n_arr == 0:
@@ -756,22 +727,14 @@ cdef class RadixTree:
             if u == 0:
                 break
             self._reserve_counts(u)
-            rem = self.rem
-            cnt = self.cnt
-            if p == 1:  # skip u integer divisions per block in the common case
-                for i in range(u):
-                    rem[i] = (<Node>self.arr[i]).length
-                    cnt[i] = 0
-            else:
-                for i in range(u):
-                    rem[i] = (<Node>self.arr[i]).length // p
-                    cnt[i] = 0
             self.draw_blocks += 1
-            d = _count_draws(&self.rng, u, rem, cnt, todo - done, &emptied)
+            d = _count_draws(&self.rng, self.arr, u, p, self.rem, self.cnt, self.touched, &nt,
+                             todo - done, &emptied)
             gone = <Node>self.arr[emptied] if emptied >= 0 else None
-            for i in range(u):
-                if cnt[i]:
-                    (<Node>self.arr[i]).length -= cnt[i] * p
+            for k in range(nt):
+                i = self.touched[k]
+                (<Node>self.arr[i]).length -= self.cnt[i] * p
+                self.cnt[i] = 0
             done += d
             if last_path:
                 self.marked -= d * p
@@ -782,18 +745,27 @@ cdef class RadixTree:
         return done * p
 
     cdef int _reserve_counts(self, Py_ssize_t u) except -1:
+        """Grow the per-candidate scratch arrays to ``u`` entries (``cnt`` stays all zeros)."""
+        cdef Py_ssize_t cap = max(u, 2 * self.counts_cap, 64)
         cdef int64_t* a
         cdef int64_t* b
-        if u > self.counts_cap:
-            a = <int64_t*>realloc(self.rem, u * sizeof(int64_t))
-            if a == NULL:
-                raise MemoryError()
-            self.rem = a
-            b = <int64_t*>realloc(self.cnt, u * sizeof(int64_t))
-            if b == NULL:
-                raise MemoryError()
-            self.cnt = b
-            self.counts_cap = u
+        cdef Py_ssize_t* t
+        if u <= self.counts_cap:
+            return 0
+        a = <int64_t*>realloc(self.rem, cap * sizeof(int64_t))
+        if a == NULL:
+            raise MemoryError()
+        self.rem = a
+        b = <int64_t*>calloc(cap, sizeof(int64_t))
+        if b == NULL:
+            raise MemoryError()
+        free(self.cnt)
+        self.cnt = b
+        t = <Py_ssize_t*>realloc(self.touched, cap * sizeof(Py_ssize_t))
+        if t == NULL:
+            raise MemoryError()
+        self.touched = t
+        self.counts_cap = cap
         return 0
 
 
