@@ -51,6 +51,7 @@ def build_cache(
     *,
     seed: int = 0,
     capacity_tokens: int | None = None,
+    kv_events: bool = False,
     max_context_len: int = 16384,
 ) -> tuple[Any, Any]:
     """SGLang's ``kind`` tree (``unified`` or ``radix``) with ``policy`` over a CPU KV pool of
@@ -103,6 +104,7 @@ def build_cache(
         page_size=page_size,
         eviction_policy=policy,
         eviction_policy_config=config,
+        enable_kv_cache_events=kv_events,
     )
     if kind == "unified":
         from sglang.srt.mem_cache.unified_cache.components import ComponentType

@@ -68,14 +68,19 @@ OPS = st.lists(
 )
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    ("page_size", "kv_events"),
+    [(1, False), (4, False), (4, True)],  # KV events on: drawn pages are split off, not cut in place
+)
 @pytest.mark.parametrize("kind", KINDS)
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, seed=st.integers(0, 2**16))
 def test_rlt_tree_invariants_under_random_operations(
-    sglang_plugin: None, kind: str, page_size: int, ops: list, seed: int
+    sglang_plugin: None, kind: str, page_size: int, kv_events: bool, ops: list, seed: int
 ) -> None:
-    cache, allocator = build_cache(kind, "rlt", POOL, page_size, seed=seed, capacity_tokens=POOL)
+    cache, allocator = build_cache(
+        kind, "rlt", POOL, page_size, seed=seed, capacity_tokens=POOL, kv_events=kv_events
+    )
     assert getattr(cache, "kvroute_rlt", False)
     driver = TreeDriver(cache, allocator, kind)
     for op, a, b in ops:
