@@ -1,0 +1,314 @@
+"""RLT inside vLLM V1's prefix-cache block pool (``vllm.v1.core.block_pool.BlockPool``).
+
+Stock vLLM reuses the block at the head of its free queue: never-cached blocks first, then cached
+blocks in LRU order. With RLT installed, when the head is a cached block (a reuse means an eviction),
+the block reused is instead a uniformly random *unmarked leaf* cached block (``leaf_marking``); only when
+no leaf candidate exists at all does it fall back to vLLM's own LRU head.
+
+How it stays inside vLLM's own code (nothing of vLLM is copied here):
+- ``get_new_blocks``: choose the victims, evict each at once (vLLM's ``_maybe_evict_cached_block``: KV
+  events, metrics collector) so its parent may be the next leaf, move them to the head of vLLM's free
+  queue, then call vLLM's ``get_new_blocks``, which pops exactly them and does the ref counts, reuse
+  watchers and metrics as always.
+- ``cache_full_blocks`` (after vLLM's): mark newly cached blocks, record each one's chain parent.
+- ``touch`` (before vLLM's): a hit marks the blocks; blocks leaving the free queue stop being candidates.
+- ``free_blocks`` / ``unpin_blocks`` (after vLLM's): blocks whose ref count dropped to 0 become
+  candidates when they are cached leaves.
+- ``_remove_cached_block_hashes`` (the one place this vLLM drops a block's hashes, reached from
+  ``_maybe_evict_cached_block``, ``evict_blocks`` and hash replacement): forget the block; its parent
+  may become a leaf. ``move_block_hashes`` carries the chain parent over; ``reset_prefix_cache`` resets.
+
+Installed on the class, so every pool of the process is affected; ``uninstall`` restores vLLM's methods.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from kvroute.engine_patches.vllm.leaf_marking import NO_PARENT, UNREGISTERED, LeafMarking
+
+SEED_ENV = "KVROUTE_RLT_SEED"
+PATCHED_METHODS = (
+    "__init__",
+    "get_new_blocks",
+    "cache_full_blocks",
+    "touch",
+    "free_blocks",
+    "unpin_blocks",
+    "_remove_cached_block_hashes",
+    "move_block_hashes",
+    "reset_prefix_cache",
+)
+# Methods RLT relies on without wrapping them.
+REQUIRED_METHODS = ("_maybe_evict_cached_block", "get_num_free_blocks")
+_originals: dict[str, Callable[..., Any]] = {}
+_vllm: dict[str, Callable[..., Any]] = {}  # vLLM helpers, imported by install()
+
+
+def _seed_from_env() -> int | None:
+    raw = os.environ.get(SEED_ENV)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{SEED_ENV} must be an integer, got {raw!r}") from None
+
+
+def rlt_state(pool: Any) -> LeafMarking:
+    """The RLT bookkeeping of a block pool (made on first use for pools built before install)."""
+    try:
+        return pool._kvroute_rlt
+    except AttributeError:
+        pass
+    # Capacity: every block but vLLM's null block can hold cached content.
+    state = LeafMarking(pool.num_gpu_blocks, max(1, pool.num_gpu_blocks - 1), _seed_from_env())
+    if pool.enable_caching:
+        # Blocks cached before RLT was installed have unknown chain parents: they count as chain
+        # roots (leaves); the free ones become candidates.
+        for block in pool.blocks:
+            if block.block_hash is not None and not block.is_null:
+                state.register_cached(block.block_id, None)
+                if block.ref_cnt == 0:
+                    state.add_candidate(block.block_id)
+    pool._kvroute_rlt = state
+    return state
+
+
+def _blocks_with_key(pool: Any, key: bytes) -> tuple[Any, ...]:
+    # BlockHashToBlockMap stores one block or a {block_id: block} dict per key (vLLM does not dedup).
+    entry = pool.cached_block_hash_to_block._cache.get(key)
+    if entry is None:
+        return ()
+    if isinstance(entry, dict):
+        return tuple(entry.values())
+    return (entry,)
+
+
+def _maybe_candidate(pool: Any, state: LeafMarking, block: Any) -> None:
+    """Make ``block`` drawable when it is free, cached, ours and a leaf."""
+    key = block.block_hash
+    if (
+        key is not None
+        and block.ref_cnt == 0
+        and key not in state.children
+        and not block.is_null
+        and (block.pool is None or block.pool is pool)
+    ):
+        state.add_candidate(block.block_id)
+
+
+def _promote(pool: Any, state: LeafMarking, parent_key: bytes) -> None:
+    """``parent_key`` lost its last cached child: its free blocks are leaves now (see _maybe_candidate)."""
+    entry = pool.cached_block_hash_to_block._cache.get(parent_key)
+    if entry is None:
+        return
+    if isinstance(entry, dict):
+        for block in entry.values():
+            _maybe_candidate(pool, state, block)
+    elif entry.ref_cnt == 0 and entry.block_hash == parent_key and not entry.is_null:
+        # the common case, inlined: one block holds the key as its primary hash, and it is ours
+        state.add_candidate(entry.block_id)
+
+
+# ---- the wrappers (self is a vllm BlockPool) --------------------------------------------------------
+
+
+def _init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _originals["__init__"](self, *args, **kwargs)
+    rlt_state(self)
+
+
+def get_new_blocks(self: Any, num_blocks: int) -> list[Any]:
+    if not self.enable_caching or num_blocks <= 0 or num_blocks > self.get_num_free_blocks():
+        return _originals["get_new_blocks"](self, num_blocks)  # vLLM's own path (and its error)
+    state = rlt_state(self)
+    draw, forget = state.draw, state.forget_cached
+    queue = self.free_block_queue
+    fake_head = queue.fake_free_list_head
+    remove = queue.remove
+    pool_blocks = self.blocks
+    chosen = []
+    for _ in range(num_blocks):
+        block = fake_head.next_free_block  # a real block: num_blocks <= free blocks
+        if block.block_hash is not None:  # reusing the head would evict: RLT picks the victim
+            drawn = draw()
+            # No leaf candidate at all (every free cached block has a cached child): vLLM's LRU head.
+            if drawn is not None:
+                block = pool_blocks[drawn]
+            # Forget it now (vLLM evicts it below), so a parent left childless is the next leaf.
+            parent_key = forget(block.block_id)
+            if parent_key is not None:
+                _promote(self, state, parent_key)
+        remove(block)
+        chosen.append(block)
+    # vLLM's own get_new_blocks pops exactly these from the head and evicts them: KV events, metrics
+    # collector, reuse watchers and ref counts as always.
+    queue.prepend_n(chosen)
+    return _originals["get_new_blocks"](self, num_blocks)
+
+
+def cache_full_blocks(
+    self: Any,
+    request: Any,
+    blocks: list[Any],
+    num_cached_blocks: int,
+    num_full_blocks: int,
+    block_size: int,
+    kv_cache_group_id: int,
+    *args: Any,
+    **kwargs: Any,
+) -> None:
+    _originals["cache_full_blocks"](
+        self,
+        request,
+        blocks,
+        num_cached_blocks,
+        num_full_blocks,
+        block_size,
+        kv_cache_group_id,
+        *args,
+        **kwargs,
+    )
+    if num_cached_blocks >= num_full_blocks:
+        return
+    block_mask = kwargs.get("block_mask", args[0] if args else None)
+    state = rlt_state(self)
+    make_key = _vllm["make_block_hash_with_group_id"]
+    hashes = _vllm["resolve_block_hashes"](request.block_hashes, self.hash_block_size, block_size)
+    cache_get = self.cached_block_hash_to_block._cache.get
+    key = make_key(hashes[num_cached_blocks - 1], kv_cache_group_id) if num_cached_blocks > 0 else None
+    for i in range(num_cached_blocks, num_full_blocks):
+        parent_key, key = key, make_key(hashes[i], kv_cache_group_id)
+        block = blocks[i]
+        if block.is_null or block.block_hash != key:
+            continue  # null, or this content is cached under another block (vLLM does not dedup)
+        if block_mask is not None and not block_mask[i - num_cached_blocks]:
+            continue
+        if state.register_cached(block.block_id, parent_key) and parent_key is not None:
+            # The parent key just got its first cached child: its blocks are no longer leaves. Usually
+            # that is this request's own previous block, which is in use and so no candidate anyway.
+            entry = cache_get(parent_key)
+            if entry is not None and entry is not blocks[i - 1]:
+                for parent_block in entry.values() if isinstance(entry, dict) else (entry,):
+                    state.discard_candidate(parent_block.block_id)
+        state.mark(block.block_id)
+
+
+def touch(self: Any, blocks: Sequence[Any]) -> None:
+    state = rlt_state(self)
+    for block in blocks:
+        if block.block_hash is None:  # includes the null block
+            continue
+        if block.ref_cnt == 0:
+            state.discard_candidate(block.block_id)  # it leaves the free queue
+        state.mark(block.block_id)
+    _originals["touch"](self, blocks)
+
+
+def free_blocks(self: Any, ordered_blocks: Iterable[Any]) -> None:
+    blocks = list(ordered_blocks)  # may be a one-shot iterator (reversed(...))
+    _originals["free_blocks"](self, blocks)
+    if self.enable_caching:
+        state = rlt_state(self)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                _maybe_candidate(self, state, block)
+
+
+def unpin_blocks(self: Any, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
+    blocks = list(blocks)
+    _originals["unpin_blocks"](self, blocks, on_reuse)
+    if self.enable_caching:
+        state = rlt_state(self)
+        for block in blocks:
+            _maybe_candidate(self, state, block)
+
+
+def _remove_cached_block_hashes(self: Any, block: Any) -> list[Any]:
+    if block.block_hash is None:  # nothing cached here (vLLM still clears any stray entries)
+        return _originals["_remove_cached_block_hashes"](self, block)
+    removed = _originals["_remove_cached_block_hashes"](self, block)
+    state = rlt_state(self)
+    parent_key = state.forget_cached(block.block_id)  # no-op when get_new_blocks forgot it already
+    if parent_key is not None:
+        _promote(self, state, parent_key)
+    return removed
+
+
+def move_block_hashes(self: Any, src_block: Any, dst_block: Any) -> None:
+    state = rlt_state(self)
+    parent_key = state.parent_of(src_block.block_id)
+    was_marked = state.is_marked(src_block.block_id)
+    _originals["move_block_hashes"](self, src_block, dst_block)
+    if dst_block.block_hash is None:
+        return
+    if parent_key is not UNREGISTERED:
+        parent_key = None if parent_key is NO_PARENT else parent_key
+        if state.register_cached(dst_block.block_id, parent_key) and parent_key is not None:
+            for parent_block in _blocks_with_key(self, parent_key):
+                state.discard_candidate(parent_block.block_id)
+    if was_marked:
+        state.mark(dst_block.block_id)
+    _maybe_candidate(self, state, dst_block)
+
+
+def reset_prefix_cache(self: Any) -> bool:
+    ok = _originals["reset_prefix_cache"](self)
+    if ok:
+        rlt_state(self).reset()
+    return ok
+
+
+_WRAPPERS: dict[str, Callable[..., Any]] = {
+    "__init__": _init,
+    "get_new_blocks": get_new_blocks,
+    "cache_full_blocks": cache_full_blocks,
+    "touch": touch,
+    "free_blocks": free_blocks,
+    "unpin_blocks": unpin_blocks,
+    "_remove_cached_block_hashes": _remove_cached_block_hashes,
+    "move_block_hashes": move_block_hashes,
+    "reset_prefix_cache": reset_prefix_cache,
+}
+
+
+def is_installed() -> bool:
+    return bool(_originals)
+
+
+def install() -> None:
+    """Patch ``BlockPool`` with RLT (idempotent). Raises RuntimeError when this vLLM lacks a method."""
+    if _originals:
+        return
+    from vllm.v1.core.block_pool import BlockPool
+
+    missing = [name for name in (*PATCHED_METHODS, *REQUIRED_METHODS) if not hasattr(BlockPool, name)]
+    if missing:
+        raise RuntimeError(
+            f"kvroute RLT: this vLLM's BlockPool lacks {missing}; the patch supports vLLM 0.32.x"
+        )
+    _seed_from_env()  # a bad seed fails here, at startup, not at the first allocation
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id, resolve_block_hashes
+
+    _vllm["make_block_hash_with_group_id"] = make_block_hash_with_group_id
+    _vllm["resolve_block_hashes"] = resolve_block_hashes
+    for name in PATCHED_METHODS:
+        original = BlockPool.__dict__[name]
+        _originals[name] = original
+        wrapper = functools.wraps(original)(_WRAPPERS[name])
+        setattr(BlockPool, name, wrapper)
+
+
+def uninstall() -> None:
+    """Restore vLLM's own methods (pools keep their RLT state attribute, now unused)."""
+    if not _originals:
+        return
+    from vllm.v1.core.block_pool import BlockPool
+
+    for name, original in _originals.items():
+        setattr(BlockPool, name, original)
+    _originals.clear()
