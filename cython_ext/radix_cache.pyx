@@ -351,6 +351,7 @@ cdef class RadixTree:
         self.cnt = NULL
         self.touched = NULL
         self.phase = 0
+        self.page = 1  # valid even if __init__ never runs (page is a divisor everywhere)
 
     def __dealloc__(self):
         free(self.arr)
@@ -372,6 +373,10 @@ cdef class RadixTree:
 
     def __init__(self, Py_ssize_t capacity, Py_ssize_t page, int policy, object seed,
                  FutureIndex future=None):
+        if capacity < 0 or page < 1 or policy not in (POLICY_LRU, POLICY_RLT, POLICY_OPT):
+            raise ValueError(f"RadixTree: bad capacity={capacity}, page={page} or policy={policy}")
+        if policy == POLICY_OPT and future is None:
+            raise ValueError("RadixTree: policy opt needs a FutureIndex")
         self.capacity = capacity
         self.page = page
         self.pol = policy
