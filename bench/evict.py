@@ -379,6 +379,28 @@ def print_latency(results: Sequence[LatencyResult], console: Console) -> None:
     console.print(table)
 
 
+def plot_latency(results: Sequence[LatencyResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = np.arange(len(results))
+    ax.bar(xs - 0.2, [r.p50_us for r in results], width=0.4, label="p50")
+    ax.bar(xs + 0.2, [r.p99_us for r in results], width=0.4, label="p99")
+    ax.axhline(20, color="red", linestyle="--", linewidth=1, label="20 us target")
+    ax.set_xticks(xs, [r.policy for r in results])
+    ax.set_yscale("log")
+    ax.set_ylabel("us per single-page evict (log)")
+    first = results[0]
+    ax.set_title(f"evict one page: {first.capacity:,}-token cache, ~{first.nodes_before:,} nodes")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # --------------------------------------------------------------------------- CLI
 def _positive(text: str) -> int:
     try:
@@ -488,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps([asdict(r) for r in lat], indent=2))
         else:
             print_latency(lat, Console(width=140))
+        if args.plot:
+            plot_latency(lat, args.plot)
+            console.print(f"plot written to {args.plot}")
         return 0
     results = run_replays(args, console)
     if args.json:

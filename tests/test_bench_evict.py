@@ -115,8 +115,11 @@ def test_bench_sweep_plots_hit_rate_against_capacity(tmp_path: Path, capsys) -> 
     assert png.stat().st_size > 1000
 
 
-def test_bench_latency_mode(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_latency_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "latency.png"
     argv = [
+        "--plot",
+        str(png),
         "--latency",
         "--latency-capacity",
         "20000",
@@ -129,6 +132,7 @@ def test_bench_latency_mode(capsys: pytest.CaptureFixture[str]) -> None:
     ]
     assert evict.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
+    assert png.stat().st_size > 1000
     assert [r["policy"] for r in rows] == ["lru", "rlt"]
     for r in rows:
         assert r["evictions"] == 300 and r["nodes_before"] > 1000
