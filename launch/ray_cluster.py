@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,7 @@ class EngineWorker:
             "worker": self.worker_id,
             "url": self.url,
             "pid": self.proc.pid,
+            "actor_pid": os.getpid(),
             "node": self.node_ip,
             "healthy": self.healthy,
             "restarts": self.restarts,

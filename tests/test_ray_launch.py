@@ -200,6 +200,28 @@ def test_ray_launch_survives_engine_sigkill_under_load(ray_address: str, tmp_pat
         )
         load.stop()
 
+        # the actor process itself dies: its engine goes with it (PDEATHSIG), Ray restarts the actor,
+        # whose __init__ starts a fresh engine that joins the membership again
+        before = ray.get(actors[0].info.remote())
+        os.kill(before["actor_pid"], signal.SIGKILL)
+        wait_until(lambda: not _pid_alive(before["pid"]), 5, "engine to die with its actor")
+        after = wait_until(
+            lambda: (lambda d: d if d["healthy"] else None)(ray.get(actors[0].info.remote())),
+            60,
+            "restarted actor's engine",
+        )
+        assert after["actor_pid"] != before["actor_pid"] and after["pid"] != before["pid"]
+        wait_until(
+            lambda: ray.get(membership.snapshot.remote())[1].get("worker-0") == after["url"],
+            10,
+            "membership after actor restart",
+        )
+        wait_until(
+            lambda: router_workers(launch.url).get(after["url"], {}).get("healthy"),
+            10,
+            "router after actor restart",
+        )
+
         failed = [(t0, status) for t0, _, status in load.records if status != 200]
         # at most the requests in flight on the victim when it died can fail (4 clients)...
         assert len(failed) <= 4, failed
@@ -223,6 +245,14 @@ def test_ray_launch_survives_engine_sigkill_under_load(ray_address: str, tmp_pat
         ray_membership.actor_name(cluster),
     ):
         wait_until(lambda n=name: _gone(n), 20, f"{name} to go away")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _gone(name: str) -> bool:
