@@ -35,6 +35,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 Probe = Callable[[aiohttp.ClientSession, int], Awaitable[str]]
 
@@ -341,21 +342,25 @@ async def run(cfg: ClusterConfig, *, console: Console | None = None) -> int:
             while not stop.is_set():
                 if isinstance(workers, LocalWorkers):
                     for event in workers.restart_dead():
-                        err.print(f"[yellow]{event}")
+                        err.print(Text(event, style="yellow"))
                 elif ray_cluster is not None:
                     for event in await ray_cluster.events():
-                        err.print(f"[yellow]{event}")
+                        err.print(Text(event, style="yellow"))
                 if not router.alive():
                     err.print(
-                        f"[red]router exited with code {router.returncode}; log {router.log_path}:\n"
-                        f"{router.log_tail()}"
+                        Text(
+                            f"router exited with code {router.returncode}; log {router.log_path}:\n"
+                            f"{router.log_tail()}",
+                            style="red",
+                        )
                     )
                     rc = 1
                     break
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.5)
     except LaunchError as exc:
-        err.print(f"[red]launch failed:[/red] {exc}")
+        # plain Text: log tails hold brackets that rich would read as markup
+        err.print(Text("launch failed: ", style="red") + Text(str(exc)))
         rc = 1
     finally:
         err.print("stopping the cluster ...")
