@@ -984,6 +984,22 @@ cdef class RadixTree:
             stack.extend(n.children.values())
         return out
 
+    def _token_marks(self) -> dict:
+        """Every cached token as ``{prefix tuple ending at it: marked}`` (tests, small trees only)."""
+        out = {}
+        stack = [(self.root, ())]
+        cdef Node n
+        cdef Py_ssize_t i
+        while stack:
+            node, prefix = stack.pop()
+            n = <Node>node
+            for i in range(n.length):
+                prefix = prefix + (n.buf[n.off + i],)
+                out[prefix] = self.pol == POLICY_RLT and n.phase == self.phase
+            for c in n.children.values():
+                stack.append((c, prefix))
+        return out
+
     @property
     def marked_tokens(self) -> int:
         """rlt: distinct tokens marked in the current phase."""
