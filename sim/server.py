@@ -37,6 +37,7 @@ log = logging.getLogger("kvroute.sim.server")
 
 _REQUEST_ID_HEADER = "X-Request-Id"
 _METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_CATCH_UP_S = 0.005  # how late a step may start and still keep the engine's own schedule
 
 
 @dataclass
@@ -182,8 +183,10 @@ class SimWorker:
                     self.abandon(p)
 
     async def _one_step(self, next_start: float) -> float:
-        # a step starts when the previous one ended, or now if we fell behind (no debt accumulates)
-        start = max(next_start, self.clock())
+        # A step starts when the previous one ended. Timers wake us up to ~1 ms late; a step that starts a
+        # little late keeps its scheduled start (engine time does not drift), one far behind starts now.
+        now = self.clock()
+        start = next_start if now - next_start <= _CATCH_UP_S else now
         result = self.engine.step(start)
         end = start + result.duration
         delay = end - self.clock()
