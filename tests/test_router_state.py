@@ -128,3 +128,18 @@ def test_chars_per_token_ratio_is_learned() -> None:
     est.observe(0, 10)  # ignored
     assert est.tokens(60) == 10
     assert math.isclose(est.ratio, 6.0)
+
+
+def test_batched_views_equal_single_views() -> None:
+    state = ClusterState()
+    for w in ("a", "b", "c"):
+        state.add_worker(w)
+    state.update_metrics("b", {"token_usage": 0.4})
+    for i, w in enumerate(["a", "b", "a", "c", "a"]):
+        state.dispatch(Request(f"r{i}", "x", 10), state.view(w, 0.013 * i), 0.013 * i, 0.3 + i, 7 * i)
+    state.first_token("r1", 0.2)
+    matches = {"a": 12, "c": 3}
+    for now in (0.05, 0.2, 1.7):
+        batched = state.views(["a", "b", "c"], now, matches, lambda w: len(w) * 5)
+        single = [state.view(w, now, matches.get(w, 0), len(w) * 5) for w in ("a", "b", "c")]
+        assert batched == single
