@@ -131,7 +131,7 @@ def _make_rlt_class(cls: type) -> type:
                 node.hash_value = node.hash_value[:pages]
             if node.event_hash_value is not None:
                 node.event_hash_value = node.event_hash_value[:pages]
-            self.evictable_size_ -= len(tail)
+            self.evictable_size_ -= tail.shape[0]
             return tail
 
         def _rlt_delete_leaf(self, node: Any) -> int:

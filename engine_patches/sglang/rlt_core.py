@@ -217,18 +217,33 @@ def draw_pages(rng: np.random.Generator, room: np.ndarray, quota: int) -> tuple[
         return np.zeros(m, dtype=np.int64), 0, -1
     # The counts of `quota` i.i.d. uniform draws are multinomial; when no candidate reaches its room,
     # no draw emptied one and the counts are the answer (the common case: one O(m) call). Otherwise
-    # the same draws in a uniformly random order are the i.i.d. sequence, scanned for the first draw
-    # that empties a candidate.
+    # the draws are those counts in a uniformly random order. Only the order up to the first draw
+    # that empties a candidate matters, so it is generated chunk by chunk: a chunk's counts are a
+    # multivariate hypergeometric sample of what is left, and a chunk is put in order (a random
+    # permutation) only when a candidate can run out inside it.
     counts = rng.multinomial(quota, np.full(m, 1.0 / m))
     if (counts < room).all():
         return counts.astype(np.int64), quota, -1
-    draws = rng.permutation(np.repeat(np.arange(m), counts))
-    order = np.argsort(draws, kind="stable")
-    ordered = draws[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    run_lengths = np.diff(np.concatenate((starts, [quota])))
-    rank = np.arange(quota) - np.repeat(starts, run_lengths)  # this is the (rank+1)-th draw of its candidate
-    emptying = rank == room[ordered] - 1
-    first = int(order[emptying].min())  # earliest draw (in draw order) that takes a last page
-    taken = np.bincount(draws[: first + 1], minlength=m).astype(np.int64)
-    return taken, first + 1, int(draws[first])
+    counts = counts.astype(np.int64)
+    taken = np.zeros(m, dtype=np.int64)
+    done = 0
+    while True:
+        left = room - taken
+        rest = quota - done
+        size = min(rest, max(32, m * int(left.min())))
+        chunk = counts if size == rest else rng.multivariate_hypergeometric(counts, size)
+        if (chunk < left).all():  # nobody runs out in this chunk (never true for the last one)
+            taken += chunk
+            counts = counts - chunk
+            done += size
+            continue
+        draws = rng.permutation(np.repeat(np.arange(m), chunk))
+        order = np.argsort(draws, kind="stable")
+        ordered = draws[order]
+        starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+        run_lengths = np.diff(np.concatenate((starts, [size])))
+        rank = np.arange(size) - np.repeat(starts, run_lengths)  # (rank+1)-th draw of its candidate here
+        emptying = rank == left[ordered] - 1
+        first = int(order[emptying].min())  # earliest draw (in draw order) that takes a last page
+        taken += np.bincount(draws[: first + 1], minlength=m)
+        return taken, done + first + 1, int(draws[first])

@@ -100,7 +100,7 @@ class RLTUnifiedTreeCore(UnifiedTreeCore):
             node.hash_value = node.hash_value[:pages]
         if node.event_hash_value is not None:
             node.event_hash_value = node.event_hash_value[:pages]
-        self.component_evictable_size_[FULL] -= len(tail)
+        self.component_evictable_size_[FULL] -= tail.shape[0]
         return tail
 
     def _split_node(self, key: Any, child: Any, split_len: int):
