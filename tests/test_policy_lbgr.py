@@ -220,3 +220,22 @@ def test_uncertainty_penalty_prefers_the_worker_whose_data_covers_the_current_lo
     for w in unguarded._workers.values():
         unguarded._refresh(w)
     assert {unguarded.choose(req, views, 6.0) for _ in range(60)} == {"a", "b"}
+
+
+def test_inlined_choose_agrees_with_estimate() -> None:
+    rng = random.Random(9)
+    p = policy()
+    for i in range(300):
+        for w in ("a", "b", "c"):
+            x = (rng.uniform(0, 2), rng.uniform(0, 3), float(rng.randrange(0, 30)), 1.0)
+            p.observe(w, x, rng.uniform(0, 5), now=0.01 * i)
+    for k in range(200):
+        req = Request(str(k), "t" * rng.randrange(40, 4000), rng.randrange(10, 1000))
+        views = [
+            WorkerView(w, rng.randrange(0, 40), 0, rng.uniform(0, 5), rng.randrange(0, len(req.text) + 1))
+            for w in ("a", "b", "c")
+        ]
+        now = rng.choice([3.0, 10.0, 60.0])  # fresh, aging, and nearly forgotten residuals
+        chosen = p.choose(req, views, now)
+        best = min(p.estimate(req, v, now) for v in views)
+        assert p.estimate(req, next(v for v in views if v.id == chosen), now) == pytest.approx(best, abs=1e-9)

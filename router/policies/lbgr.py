@@ -120,9 +120,10 @@ class RLS:
 
 
 class _Worker:
-    __slots__ = ("model", "last_update", "pred_theta", "qform")
+    __slots__ = ("worker_id", "model", "last_update", "pred_theta", "qform")
 
-    def __init__(self, model: RLS, now: float | None) -> None:
+    def __init__(self, worker_id: str, model: RLS, now: float | None) -> None:
+        self.worker_id = worker_id
         self.model = model
         self.last_update = now  # None until the first observation
         self.pred_theta = list(model.theta)  # the coefficients predictions use (see LBGRPolicy._refresh)
@@ -179,6 +180,7 @@ class LBGRPolicy(SeededPolicy):
         self.uncertainty_penalty = uncertainty_penalty
         self.chars_per_token = CharsPerTokenEstimator(chars_per_token_prior)
         self._workers: dict[str, _Worker] = {}
+        self._packed: dict[str, tuple[float, ...]] = {}  # worker -> prediction tuple (see _refresh)
         # request id -> (worker, features at dispatch, S + W at dispatch)
         self._pending: dict[str, tuple[str, tuple[float, float, float, float], float]] = {}
 
@@ -200,7 +202,7 @@ class LBGRPolicy(SeededPolicy):
     def _worker(self, worker_id: str) -> _Worker:
         w = self._workers.get(worker_id)
         if w is None:
-            w = self._workers[worker_id] = _Worker(RLS(self.forgetting, self.rls_p0), None)
+            w = self._workers[worker_id] = _Worker(worker_id, RLS(self.forgetting, self.rls_p0), None)
         return w
 
     def age_factor(self, worker_id: str, now: float) -> float:
@@ -251,10 +253,9 @@ class LBGRPolicy(SeededPolicy):
             tokens_per_char = 1.0 / self.chars_per_token.ratio
         else:
             tokens_per_char = (L / len(request.text)) if request.text and L > 0 else 0.0
-        models = self._workers
+        packed = self._packed if self.learn_residual else {}
         age_rate = self._age_rate
-        stale_after = self.residual_stale_after_s
-        use_residual = self.learn_residual
+        exp = math.exp
         best = math.inf
         ties: list[str] = []
         for v in workers:
@@ -264,28 +265,21 @@ class LBGRPolicy(SeededPolicy):
             s = c_hit * hit + c_miss * (L - hit)
             if s < floor:
                 s = floor
-            est = s + v.load
-            if use_residual:
-                w = models.get(v.id)
-                if w is not None and w.last_update is not None:
-                    load, n = v.load, v.in_flight
-                    t = w.pred_theta
-                    r = t[0] * s + t[1] * load + t[2] * n + t[3]
-                    a, b, c, d, e, f, g, h, i, j = w.qform
-                    q = (
-                        s * (a * s + b * load + c * n + d)
-                        + load * (e * load + f * n + g)
-                        + n * (h * n + i)
-                        + j
-                    )
-                    if q > 0.0:
-                        r += sqrt(q)
-                    dt = now - w.last_update - stale_after
-                    if dt > 0:
-                        r *= math.exp(-age_rate * dt)
-                    est += r
-                    if est < s:
-                        est = s
+            load = v.load
+            est = s + load
+            pk = packed.get(v.id)
+            if pk is not None:
+                t0, t1, t2, t3, a, b, c, d, e, f, g, h, i, j, fresh_until = pk
+                n = v.in_flight
+                r = t0 * s + t1 * load + t2 * n + t3
+                q = s * (a * s + b * load + c * n + d) + load * (e * load + f * n + g) + n * (h * n + i) + j
+                if q > 0.0:
+                    r += sqrt(q)
+                if now > fresh_until:
+                    r *= exp(-age_rate * (now - fresh_until))
+                est += r
+                if est < s:
+                    est = s
             if est < best - 1e-12:
                 best = est
                 ties = [v.id]
@@ -351,12 +345,17 @@ class LBGRPolicy(SeededPolicy):
             v * p[2][2], 2 * v * p[2][3],
             v * p[3][3],
         )  # fmt: skip
+        if w.last_update is not None:
+            # everything choose() needs, in one tuple: coefficients, quadratic form, end of freshness
+            fresh_until = w.last_update + self.residual_stale_after_s
+            self._packed[w.worker_id] = (*w.pred_theta, *w.qform, fresh_until)
 
     def on_worker_added(self, worker_id: str) -> None:
         self._worker(worker_id)
 
     def on_worker_removed(self, worker_id: str) -> None:
         self._workers.pop(worker_id, None)
+        self._packed.pop(worker_id, None)
         # its in-flight requests will never teach us anything: forget them now
         for rid in [rid for rid, entry in self._pending.items() if entry[0] == worker_id]:
             del self._pending[rid]
