@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import Counter
 
@@ -239,3 +240,15 @@ def test_inlined_choose_agrees_with_estimate() -> None:
         chosen = p.choose(req, views, now)
         best = min(p.estimate(req, v, now) for v in views)
         assert p.estimate(req, next(v for v in views if v.id == chosen), now) == pytest.approx(best, abs=1e-9)
+
+
+def test_penalty_is_k_standard_deviations_of_the_rls_prediction() -> None:
+    rng = random.Random(4)
+    p = policy(uncertainty_penalty=2.0)
+    for i in range(200):
+        x = (rng.uniform(0, 1), rng.uniform(0, 2), float(rng.randrange(0, 8)), 1.0)
+        p.observe("a", x, 0.5 * x[0] + rng.gauss(0, 0.3), now=0.01 * i)
+    model = p._workers["a"].model
+    for x in [(0.5, 1.0, 3.0, 1.0), (2.0, 9.0, 60.0, 1.0)]:
+        expected = 2.0 * math.sqrt(model.variance(x))
+        assert p.penalty("a", x[0], x[1], int(x[2]), now=2.0) == pytest.approx(expected, rel=1e-9)
