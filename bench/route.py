@@ -2,9 +2,9 @@
 
 For every policy x worker count x prompt size: a ``Router`` whose prefix index already holds
 ``--index-prompts`` prompts (by default the index is sized to keep all of them; ``--index-max-chars``
-bounds it instead, so inserts go through its LRU trimming),
-warmed up with routed-and-finished requests so learning policies have fitted models, then timed on
-``--decisions`` fresh requests while about two requests per worker stay in flight.
+bounds it instead, so inserts go through its LRU trimming), warmed up with routed-and-finished
+requests so learning policies have fitted models, then timed on ``--decisions`` fresh requests while
+about two requests per worker stay in flight.
 
 Latencies per request (wall clock, ``time.perf_counter_ns``; and the decision's CPU time,
 ``time.thread_time_ns``, which leaves out time the process spends descheduled on a busy machine):
@@ -13,10 +13,11 @@ Latencies per request (wall clock, ``time.perf_counter_ns``; and the decision's 
 - ``route``: the full ``Router.route`` (decision + dispatch bookkeeping + index insert, including any
   LRU trimming the insert triggers).
 
-Index memory: a fresh ``PrefixIndex(--memory-max-chars)`` (10M by default) filled with the same prompts
-until full and trimming, measured with
-``tracemalloc`` (every allocation the index holds, including its PyMem per-node arrays and the heap
-of trim candidates) and, as a cross-check, the process RSS growth. Reported per stored character.
+The timed index's memory after the fill (``tracemalloc``, off while timing) is reported as
+``index_mb``. Index memory at the 10M bound: a fresh ``PrefixIndex(--memory-max-chars)`` (10M by
+default) filled with the same prompts until full and trimming, measured with ``tracemalloc`` (every
+allocation the index holds, including its PyMem per-node arrays and the heap of trim candidates) and,
+as a cross-check, the process RSS growth, in a fresh child process. Reported per stored character.
 
 Prompts: ``--groups`` prefix groups; each prompt is half group-shared prefix, half unique suffix, cut
 from a random word corpus (seeded), so the index holds a realistic mix of shared and private paths.
@@ -58,6 +59,7 @@ class RouteResult:
     cpu_p99_us: float
     index_chars: int
     index_prompts: int
+    index_mb: float
     decisions: int
 
 
@@ -159,6 +161,7 @@ def bench_policy(
     warmup: int,
     seed: int,
     index_prompts: int,
+    index_bytes: int,
 ) -> RouteResult:
     router = Router(policy, workers, max_index_chars=index.max_chars, seed=seed)
     router.index = index  # the prefilled index (shared across policies of one configuration)
@@ -220,6 +223,7 @@ def bench_policy(
         cpu_p99_us=round(_percentile(decide_cpu_ns, 0.99) / 1000.0, 2),
         index_chars=index.stored_chars,
         index_prompts=index_prompts,
+        index_mb=round(index_bytes / 2**20, 1),
         decisions=decisions,
     )
 
@@ -395,17 +399,31 @@ def main(argv: list[str] | None = None) -> int:
                 source = PromptSource(size, args.groups, args.seed)
                 # default: room for every prompt (+ the timed ones), so the index really holds them all
                 bound = index_max_chars or (index_prompts + warmup + 2 * decisions + 1) * size
-                index = PrefixIndex(bound)
                 task = progress.add_task(f"fill index {n_workers}w x {size}c", total=index_prompts)
+                gc.collect()
+                tracemalloc.start()  # the index's memory: everything allocated by the fill that it keeps
+                base, _ = tracemalloc.get_traced_memory()
+                index = PrefixIndex(bound)
                 fill_index(
                     index, source, workers, index_prompts, args.seed, lambda k, t=task: progress.advance(t, k)
                 )
+                gc.collect()
+                index_bytes = tracemalloc.get_traced_memory()[0] - base
+                tracemalloc.stop()  # not while timing
                 progress.update(task, completed=index_prompts)
                 task = progress.add_task(f"time {n_workers}w x {size}c", total=len(policies))
                 for policy in policies:
                     results.append(
                         bench_policy(
-                            policy, index, source, workers, decisions, warmup, args.seed, index_prompts
+                            policy,
+                            index,
+                            source,
+                            workers,
+                            decisions,
+                            warmup,
+                            args.seed,
+                            index_prompts,
+                            index_bytes,
                         )
                     )
                     progress.advance(task)
@@ -465,6 +483,7 @@ def _print_tables(results: Sequence[RouteResult], memory: Sequence[MemoryResult]
         "cpu p99",
         "route p50",
         "route p99",
+        "index MB",
     ):
         table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
     for r in results:
@@ -478,6 +497,7 @@ def _print_tables(results: Sequence[RouteResult], memory: Sequence[MemoryResult]
             f"{r.cpu_p99_us:.1f}",
             f"{r.route_p50_us:.1f}",
             f"{r.route_p99_us:.1f}",
+            f"{r.index_mb:.0f}",
         )
     console.print(table)
     if memory:

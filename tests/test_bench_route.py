@@ -36,6 +36,7 @@ def test_quick_json_run_reports_every_requested_policy(capsys: pytest.CaptureFix
         assert 0 < r["p50_us"] <= r["p99_us"]
         assert r["prompt_chars"] == 1000 and r["index_prompts"] == 3000
         assert r["index_chars"] >= 3000 * 500  # every prompt's unique half is still there: nothing trimmed
+        assert r["index_chars"] / 2**20 <= r["index_mb"] < 64 * r["index_chars"] / 2**20
     assert json.loads(out.read_text()) == payload
     assert png.stat().st_size > 1000
 
