@@ -252,6 +252,37 @@ cdef inline uint64_t _splitmix64(uint64_t* state) noexcept nogil:
     return z ^ (z >> 31)
 
 
+cdef Py_ssize_t _count_draws_dense(Rng* r, Py_ssize_t u, const int64_t* rem, int64_t* cnt,
+                                   Py_ssize_t todo, Py_ssize_t* emptied) noexcept nogil:
+    """Like ``_count_draws`` with ``rem`` filled in and ``cnt`` zeroed for all ``u`` candidates up
+    front: the cheapest loop per draw, for blocks with many draws per candidate."""
+    cdef Py_ssize_t d = 0, i
+    cdef uint64_t state = r.state, bits = r.bits, x, m, bound = <uint64_t>u
+    cdef uint64_t thresh = (0x10000ULL - bound) % bound
+    cdef int nchunks = r.nchunks
+    emptied[0] = -1
+    while d < todo:
+        if nchunks == 0:
+            bits = _splitmix64(&state)
+            nchunks = 4
+        x = bits & 0xFFFFULL
+        bits >>= 16
+        nchunks -= 1
+        m = x * bound
+        if (m & 0xFFFFULL) < thresh:
+            continue
+        i = <Py_ssize_t>(m >> 16)
+        cnt[i] += 1
+        d += 1
+        if cnt[i] == rem[i]:
+            emptied[0] = i
+            break
+    r.state = state
+    r.bits = bits
+    r.nchunks = nchunks
+    return d
+
+
 cdef Py_ssize_t _count_draws(Rng* r, PyObject** arr, Py_ssize_t u, Py_ssize_t page, int64_t* rem,
                              int64_t* cnt, Py_ssize_t* touched, Py_ssize_t* n_touched, Py_ssize_t todo,
                              Py_ssize_t* emptied) noexcept:
@@ -733,13 +764,28 @@ cdef class RadixTree:
                 break
             self._reserve_counts(u)
             self.draw_blocks += 1
-            d = _count_draws(&self.rng, self.arr, u, p, self.rem, self.cnt, self.touched, &nt,
-                             todo - done, &emptied)
-            gone = <Node>self.arr[emptied] if emptied >= 0 else None
-            for k in range(nt):
-                i = self.touched[k]
-                (<Node>self.arr[i]).length -= self.cnt[i] * p
-                self.cnt[i] = 0
+            if u <= 0x10000 and u <= 4 * (todo - done) + 64:
+                # many draws per candidate: snapshot every candidate, then the tightest loop
+                for i in range(u):
+                    self.rem[i] = (<Node>self.arr[i]).length
+                if p > 1:
+                    for i in range(u):
+                        self.rem[i] //= p
+                d = _count_draws_dense(&self.rng, u, self.rem, self.cnt, todo - done, &emptied)
+                gone = <Node>self.arr[emptied] if emptied >= 0 else None
+                for i in range(u):
+                    if self.cnt[i]:
+                        (<Node>self.arr[i]).length -= self.cnt[i] * p
+                        self.cnt[i] = 0
+            else:
+                # few draws among many candidates (e.g. one page from a 100k-leaf tree): O(draws)
+                d = _count_draws(&self.rng, self.arr, u, p, self.rem, self.cnt, self.touched, &nt,
+                                 todo - done, &emptied)
+                gone = <Node>self.arr[emptied] if emptied >= 0 else None
+                for k in range(nt):
+                    i = self.touched[k]
+                    (<Node>self.arr[i]).length -= self.cnt[i] * p
+                    self.cnt[i] = 0
             done += d
             if last_path:
                 self.marked -= d * p

@@ -26,3 +26,19 @@ def test_rlt_draws_are_uniform_over_candidate_leaves(seed: int, page: int) -> No
     assert sum(taken) == n_draws
     stat, p_value = chisquare(taken[:-1])
     assert p_value > 0.001, (taken, stat)
+
+
+def test_rlt_single_page_draws_on_a_wide_tree_are_uniform() -> None:
+    """Few draws among many candidates take the sparse path (O(draws) per call): still uniform."""
+    leaves, per_leaf = 400, 25
+    cache = RadixCache(10_000_000, policy="rlt", seed=99)
+    for i in range(leaves):
+        cache.insert([i // 256, i % 256] + [7] * 98)
+    candidates = leaves - 1  # the last inserted path stays marked after the first phase reset
+    for _ in range(candidates * per_leaf):
+        assert cache.evict(1) == 1
+    assert cache.phases == 1
+    taken = [100 - cache._peek([i // 256, i % 256] + [7] * 98) for i in range(leaves)]
+    assert taken[-1] == 0 and sum(taken) == candidates * per_leaf
+    assert chisquare(taken[:-1]).pvalue > 0.001
+    cache._debug_check()
