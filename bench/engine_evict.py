@@ -5,7 +5,10 @@ one subprocess per engine and prints one table:
 - SGLang: ``.venv-sglang/bin/python -m kvroute.bench.engine_evict_sglang --json`` (SGLang's own trees);
 - vLLM: ``.venv-vllm/bin/python -m kvroute.bench.engine_evict_vllm --json`` (vLLM's block pool).
 Both print a JSON list of rows with at least ``engine``, ``policy``, ``hit_rate``, ``evict_calls`` and
-``evict_us_mean`` (microseconds per eviction call). ``--json`` prints the merged rows; ``--plot PATH``
+``evict_us_mean`` (microseconds per eviction call); ``evict_us_p50``/``evict_us_p99``, the structure
+(``kind`` or ``tree``), the trace (``workload`` or ``trace``) and ``us_per_evicted_token`` or
+``us_per_evicted_block`` and the CPU-time figures (``evict_cpu_us_mean``/``_p50``) are shown when
+present. ``--json`` prints the merged rows; ``--plot PATH``
 draws microseconds per call and hit rate per engine and policy.
 """
 
@@ -70,7 +73,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="Eviction inside the engines: rlt vs the engine's lru")
-    for col in (
+    columns = (
         "engine",
         "structure",
         "workload",
@@ -79,22 +82,27 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         "evict calls",
         "us/call mean",
         "p50",
-        "p95",
-    ):
+        "p99",
+    )
+    for col in (*columns, "cpu us/call mean", "cpu p50", "us per evicted token|block"):
         table.add_column(col)
     for r in rows:
+        per_unit = r.get("us_per_evicted_token", r.get("us_per_evicted_block"))
         table.add_row(
             str(r.get("engine", "-")),
-            str(r.get("kind", r.get("structure", "-"))),
-            str(r.get("workload", "-")),
+            str(r.get("kind", r.get("tree", "-"))),
+            str(r.get("workload", r.get("trace", "-"))),
             str(r.get("policy", "-")),
             _fmt(r.get("hit_rate"), ".2%"),
             _fmt(r.get("evict_calls"), "d"),
             _fmt(r.get("evict_us_mean"), ".0f"),
             _fmt(r.get("evict_us_p50"), ".0f"),
-            _fmt(r.get("evict_us_p95"), ".0f"),
+            _fmt(r.get("evict_us_p99"), ".0f"),
+            _fmt(r.get("evict_cpu_us_mean"), ".0f"),
+            _fmt(r.get("evict_cpu_us_p50"), ".0f"),
+            _fmt(per_unit, ".3f"),
         )
-    Console().print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -103,7 +111,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{r.get('engine')}\n{r.get('kind', r.get('structure', ''))}\n{r.get('policy')}" for r in rows]
+    labels = [f"{r.get('engine')}\n{r.get('kind', r.get('tree', ''))}\n{r.get('policy')}" for r in rows]
     fig, (ax_us, ax_hit) = plt.subplots(1, 2, figsize=(max(6, 1.4 * len(rows)) * 2, 4))
     colors = ["tab:red" if r.get("policy") == "rlt" else "tab:gray" for r in rows]
     ax_us.bar(labels, [r.get("evict_us_mean") or 0 for r in rows], color=colors)
