@@ -7,6 +7,12 @@ evicted tokens, ns per evicted token, requests/s), or ``--json``; ``--plot`` dra
 
 ``--sweep`` replays the trace at capacities 150k..210k and plots hit rate against capacity;
 ``--latency`` measures single-page evictions on a 1M-token cache holding ~100k nodes (p50/p99).
+
+Reading the costs: ``lru`` frees a whole leaf (hundreds to thousands of tokens on GSP) per heap pop,
+``rlt`` makes one uniform draw per evicted token (Algorithm 1), so per evicted token lru is cheaper
+by construction; ``us/evict call`` shows the cost per call as the paper reported it. ``lru-py``
+follows SGLang 0.4.6's Python ``evict`` (collect every leaf, heapify, pop) minus the KV-pool free, so
+it is if anything faster than SGLang's own. The Cython caches get int64 arrays, ``lru-py`` lists.
 """
 
 from __future__ import annotations
