@@ -8,9 +8,9 @@ Without ``--url`` it starts ``python -m vllm.entrypoints.openai.api_server`` fro
 core (``VLLM_CPU_OMP_THREADS_BIND``), waits for /health, measures, and stops it.
 
 What it measures (prompts are random token ids, so nothing is served from the prefix cache):
-1. prefill: latency of 1-token completions for prompt lengths 64..2048 (each several times); a least-
-   squares fit ``latency = overhead + FLOPs(P) / F`` with the cost model's own FLOP count gives the
-   per-step overhead and the effective compute rate ``F``;
+1. prefill: latency of 1-token completions for prompt lengths 64..2048 (each ``--reps`` times); a least-
+   squares fit of the median latencies, ``latency = overhead + FLOPs(P) / F`` with the cost model's own
+   FLOP count, gives the per-step overhead and the effective compute rate ``F``;
 2. decode: the median inter-token latency of one streamed request (short prompt, 96 tokens), which is
    memory bound: ``ITL = overhead + bytes / B`` gives the effective memory bandwidth ``B``;
 3. validation: a held-out prompt length and 8 concurrent decoders, predicted vs measured.
@@ -192,9 +192,11 @@ def measure(url: str, model: str, args: argparse.Namespace, shape: CostModel) ->
         for n in PREFILL_LENGTHS:
             prefill.setdefault(n, []).append(one(_prompt(rng, n), 1))
             print(f"  prefill {n:5d} tokens: {prefill[n][-1] * 1e3:8.1f} ms", flush=True)
+    # fit the median latency per length: the box is shared, and the median ignores a run that another
+    # process slowed down
     fit_lengths = [n for n in PREFILL_LENGTHS if n != HELD_OUT]
-    xs = [shape.prefill_flops(n, 0) for n in fit_lengths for _ in prefill[n]]
-    ys = [t for n in fit_lengths for t in prefill[n]]
+    xs = [shape.prefill_flops(n, 0) for n in fit_lengths]
+    ys = [statistics.median(prefill[n]) for n in fit_lengths]
     overhead, inv_rate = _fit_line(xs, ys)
     if overhead < 0:  # a negative fixed cost is noise: fit the slope through the origin instead
         overhead, inv_rate = 0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs)
@@ -291,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="vLLM max running -> preset")
     parser.add_argument("--kv-space-gb", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (GiB)")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions per measurement (default 3)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions per measurement (default 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
     parser.add_argument("--log", default="measure_cpu_preset.vllm.log", help="server log file")
