@@ -24,6 +24,7 @@ Installed on the class, so every pool of the process is affected; ``uninstall`` 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -301,6 +302,10 @@ def install() -> None:
         _originals[name] = original
         wrapper = functools.wraps(original)(_WRAPPERS[name])
         setattr(BlockPool, name, wrapper)
+    # A child of vLLM's logger, so it shows in the server log of the process that loaded the plugin.
+    logging.getLogger("vllm.kvroute").info(
+        "kvroute: RLT eviction installed in vLLM's BlockPool (pid %d)", os.getpid()
+    )
 
 
 def uninstall() -> None:
