@@ -146,9 +146,9 @@ def test_unset_or_lru_leaves_vllm_untouched(stock: None, monkeypatch: pytest.Mon
 
 
 def test_rlt_through_vllms_plugin_loader_is_idempotent(stock: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm.plugins
     from importlib.metadata import entry_points
 
+    import vllm.plugins
     from kvroute.engine_patches.vllm import block_pool_rlt, register
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
@@ -218,7 +218,9 @@ def _round_robin(groups: int, prefix_blocks: int, turns: int, seed: int = 0) -> 
     rng = random.Random(seed)
     prefixes = [[rng.randrange(32000) for _ in range(prefix_blocks * BLOCK)] for _ in range(groups)]
     return [
-        prefixes[g] + [rng.randrange(32000) for _ in range(BLOCK + 1)] for _ in range(turns) for g in range(groups)
+        prefixes[g] + [rng.randrange(32000) for _ in range(BLOCK + 1)]
+        for _ in range(turns)
+        for g in range(groups)
     ]
 
 
@@ -260,9 +262,8 @@ def test_evictions_are_leaves_and_kv_events_tell_them(rlt: None) -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_marked_blocks_outlive_unmarked_ones(rlt: None, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks hit in the current phase are marked: while unmarked leaves exist, they are not evicted."""
-    from vllm.distributed.kv_events import BlockRemoved
-
     from kvroute.engine_patches.vllm.block_pool_rlt import rlt_state
+    from vllm.distributed.kv_events import BlockRemoved
 
     monkeypatch.setenv("KVROUTE_RLT_SEED", str(seed))
     eng = Engine(num_blocks=9, events=True)  # 8 usable blocks

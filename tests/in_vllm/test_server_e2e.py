@@ -44,13 +44,17 @@ def _trace(seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(5, 4000) for _ in range(PREFIX_BLOCKS * BLOCK)] for _ in range(GROUPS)]
     return [
-        prefixes[g] + [rng.randrange(5, 4000) for _ in range(BLOCK + 1)] for _ in range(TURNS) for g in range(GROUPS)
+        prefixes[g] + [rng.randrange(5, 4000) for _ in range(BLOCK + 1)]
+        for _ in range(TURNS)
+        for g in range(GROUPS)
     ]
 
 
 def _ensure_model() -> None:
     if not (MODEL / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_llama.py"), "--out", str(MODEL)], check=True)
+        subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "make_tiny_llama.py"), "--out", str(MODEL)], check=True
+        )
 
 
 def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -186,7 +190,9 @@ def served(vllm_available: None, tmp_path_factory: pytest.TempPathFactory) -> di
     results = {policy: _run(policy, tmp) for policy in ("lru", "rlt")}
     for policy, r in results.items():
         rate = r["hits"] / r["queries"] if r["queries"] else float("nan")
-        print(f"\nvllm-cpu {policy}: startup {r['startup_s']:.1f} s, prefix-cache hit rate {rate:.2%} (/metrics)")
+        print(
+            f"\nvllm-cpu {policy}: startup {r['startup_s']:.1f} s, prefix-cache hit rate {rate:.2%} (/metrics)"
+        )
     return results
 
 
