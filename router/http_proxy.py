@@ -296,7 +296,7 @@ class ProxyService:
         t_arrival: float,
         outcome: _Outcome,
     ) -> web.StreamResponse:
-        out = web.StreamResponse(
+        out = _CoalescingStreamResponse(
             status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker}
         )
         tail = b""
@@ -351,6 +351,16 @@ class ProxyService:
             err_type="server_error",
             code="timeout",
         )
+
+
+class _CoalescingStreamResponse(web.StreamResponse):
+    """Sends the headers together with the first chunk (one segment, one client wake-up instead of two).
+
+    We prepare the response only when the first chunk is in hand, so holding the headers back delays
+    nothing. (aiohttp's StreamResponse otherwise flushes headers at prepare() for long-polling clients.)
+    """
+
+    _send_headers_immediately = False
 
 
 class _Outcome:
