@@ -373,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per upstream request")
     p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health probes")
     p.add_argument("--health-fail-threshold", type=int, default=2)
-    p.add_argument("--max-connections", type=int, default=1024, help="idle keep-alive connections kept per worker")
+    p.add_argument(
+        "--max-connections", type=int, default=1024, help="idle keep-alive connections kept per worker"
+    )
     p.add_argument("--max-index-chars", type=int, default=10_000_000)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-scrape-metrics", action="store_true", help="do not read workers' /metrics")
