@@ -19,7 +19,11 @@ STAMP="$VENV/.kvroute-sglang-recipe"
 WANT="$RECIPE $SOURCES"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
-  && "$VENV/bin/python" -c "import sglang.srt.plugins, kvroute.engine_patches.sglang" 2>/dev/null; then
+  && "$VENV/bin/python" -c "
+import importlib.metadata as md, importlib.util as iu
+assert md.version('sglang') == '0.5.23' and iu.find_spec('kvroute.engine_patches.sglang')
+assert any(ep.name == 'kvroute' for ep in md.entry_points(group='sglang.srt.plugins'))
+" 2>/dev/null; then
   echo "$VENV is up to date"
   exit 0
 fi
