@@ -24,7 +24,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 from kvroute.bench.traces import GSP_LENGTHS, VOCAB, Request, gsp
@@ -53,6 +53,12 @@ class ReplayResult:
     requests_per_s: float
     requests: int
     seconds: float
+    # per evict call, ns (not serialised): identical replays make identical calls, so the
+    # element-wise minimum over repeats removes time other processes took from this one
+    call_ns: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "call_ns"}
 
 
 def make_cache(policy: str, capacity: int, paths: Sequence[np.ndarray], seed: int, page_size: int = 1):
@@ -82,6 +88,7 @@ def replay(
     cache = make_cache(policy, capacity, paths, seed)
     hits = prompt_tokens = evicted = calls = 0
     evict_ns = 0
+    call_ns: list[int] = []
     clock = time.perf_counter_ns
     start = clock()
     for i, (prompt, path) in enumerate(zip(prompts, paths_in, strict=True)):
@@ -94,12 +101,13 @@ def replay(
         if shortfall > 0:
             t0 = clock()
             evicted += cache.evict(shortfall)
-            evict_ns += clock() - t0
+            call_ns.append(clock() - t0)
             calls += 1
         cache.insert(path)
         if on_progress is not None and (i + 1) % 64 == 0:
             on_progress(64)
     seconds = (clock() - start) / 1e9
+    evict_ns = sum(call_ns)
     if on_progress is not None:
         on_progress(len(requests) % 64)
     return ReplayResult(
@@ -116,6 +124,7 @@ def replay(
         requests_per_s=len(requests) / seconds if seconds > 0 else float("inf"),
         requests=len(requests),
         seconds=seconds,
+        call_ns=np.asarray(call_ns, dtype=np.int64),
     )
 
 
@@ -172,19 +181,24 @@ def run_replays(args: argparse.Namespace, console: Console) -> list[ReplayResult
 
 
 def best_of(runs: Sequence[ReplayResult]) -> ReplayResult:
-    """Same decisions every run (seeded); timings from the fastest run, as timeit does, because
-    other processes on a shared machine only ever add time."""
+    """Combine repeats of one replay. They make the same decisions (seeded), hence the same evict
+    calls; each call's time is its minimum over the repeats (other processes on a shared machine only
+    ever add time, as timeit assumes), requests/s comes from the fastest repeat."""
     first = runs[0]
-    assert all(r.hit_tokens == first.hit_tokens and r.evicted_tokens == first.evicted_tokens for r in runs)
+    for r in runs:
+        same = r.hit_tokens == first.hit_tokens and r.evicted_tokens == first.evicted_tokens
+        if not same or r.evict_calls != first.evict_calls:
+            raise RuntimeError(f"{first.policy}: repeats of one replay made different decisions")
+    calls = np.min(np.stack([r.call_ns for r in runs]), axis=0) if first.evict_calls else np.zeros(0)
+    evict_ns = float(calls.sum())
     fastest = min(runs, key=lambda r: r.seconds)
-    return ReplayResult(
-        **{
-            **asdict(first),
-            "ns_per_evicted_token": min(r.ns_per_evicted_token for r in runs),
-            "us_per_evict_call": min(r.us_per_evict_call for r in runs),
-            "requests_per_s": fastest.requests_per_s,
-            "seconds": fastest.seconds,
-        }
+    return replace(
+        first,
+        ns_per_evicted_token=evict_ns / first.evicted_tokens if first.evicted_tokens else 0.0,
+        us_per_evict_call=evict_ns / first.evict_calls / 1000 if first.evict_calls else 0.0,
+        requests_per_s=fastest.requests_per_s,
+        seconds=fastest.seconds,
+        call_ns=calls,
     )
 
 
@@ -522,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = run_replays(args, console)
     if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=2))
+        print(json.dumps([r.to_json() for r in results], indent=2))
     else:
         print_table(results, Console(width=140))
     plot = args.plot or ("evict_sweep.png" if args.sweep else None)  # a sweep is read as a figure
