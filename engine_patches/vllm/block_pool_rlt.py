@@ -127,29 +127,46 @@ def get_new_blocks(self: Any, num_blocks: int) -> list[Any]:
     if not self.enable_caching or num_blocks <= 0 or num_blocks > self.get_num_free_blocks():
         return _originals["get_new_blocks"](self, num_blocks)  # vLLM's own path (and its error)
     state = rlt_state(self)
-    draw, forget = state.draw, state.forget_cached
+    draw_victim, forget, add_candidate = state.draw_victim, state.forget_cached, state.add_candidate
     queue = self.free_block_queue
     fake_head = queue.fake_free_list_head
     remove = queue.remove
     pool_blocks = self.blocks
+    cache_get = self.cached_block_hash_to_block._cache.get
     chosen = []
     for _ in range(num_blocks):
         block = fake_head.next_free_block  # a real block: num_blocks <= free blocks
         if block.block_hash is not None:  # reusing the head would evict: RLT picks the victim
-            drawn = draw()
-            # No leaf candidate at all (every free cached block has a cached child): vLLM's LRU head.
-            if drawn is not None:
-                block = pool_blocks[drawn]
-            # Forget it now (vLLM evicts it below), so a parent left childless is the next leaf.
-            parent_key = forget(block.block_id)
+            victim = draw_victim()
+            if victim is None:
+                # No leaf candidate at all (every free cached block has a cached child): vLLM's LRU head.
+                parent_key = forget(block.block_id)
+            else:
+                block_id, parent_key = victim
+                block = pool_blocks[block_id]
+            # The victim is forgotten now (vLLM evicts it below), so a parent left childless is the
+            # next leaf: the common case of _promote, inlined.
             if parent_key is not None:
-                _promote(self, state, parent_key)
+                entry = cache_get(parent_key)
+                if entry is not None:
+                    if type(entry) is dict:
+                        _promote(self, state, parent_key)
+                    elif entry.ref_cnt == 0 and entry.block_hash == parent_key and not entry.is_null:
+                        add_candidate(entry.block_id)
         remove(block)
         chosen.append(block)
     # vLLM's own get_new_blocks pops exactly these from the head and evicts them: KV events, metrics
     # collector, reuse watchers and ref counts as always.
     queue.prepend_n(chosen)
-    return _originals["get_new_blocks"](self, num_blocks)
+    if self._reuse_watchers:  # watcher callbacks may reach other blocks: keep the bookkeeping wrapper
+        return _originals["get_new_blocks"](self, num_blocks)
+    # Every block vLLM evicts in there was forgotten above, so its evictions skip the bookkeeping
+    # wrapper: vLLM's own _remove_cached_block_hashes shadows it on the instance for this call.
+    self._remove_cached_block_hashes = _originals["_remove_cached_block_hashes"].__get__(self)
+    try:
+        return _originals["get_new_blocks"](self, num_blocks)
+    finally:
+        del self._remove_cached_block_hashes
 
 
 def cache_full_blocks(
@@ -234,9 +251,10 @@ def _remove_cached_block_hashes(self: Any, block: Any) -> list[Any]:
         return _originals["_remove_cached_block_hashes"](self, block)
     removed = _originals["_remove_cached_block_hashes"](self, block)
     state = rlt_state(self)
-    parent_key = state.forget_cached(block.block_id)  # no-op when get_new_blocks forgot it already
-    if parent_key is not None:
-        _promote(self, state, parent_key)
+    if not state.is_forgotten(block.block_id):  # get_new_blocks forgets its victims beforehand
+        parent_key = state.forget_cached(block.block_id)
+        if parent_key is not None:
+            _promote(self, state, parent_key)
     return removed
 
 

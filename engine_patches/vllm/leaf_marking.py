@@ -159,6 +159,42 @@ class LeafMarking:
         pos[block_id] = -1
         return block_id
 
+    def draw_victim(self) -> tuple[int, Hashable | None] | None:
+        """``draw`` and ``forget_cached`` of the drawn block in one call (the hot path of an eviction):
+        ``(block_id, parent key that just lost its last cached child, or None)``; None: no candidate."""
+        slots = self.slots
+        n = len(slots)
+        if n == 0:
+            return None
+        if self.n_marked == n:
+            block_id = self.draw()  # the phase change, as draw() does it (rare)
+        else:  # draw() inlined: this runs once per evicted block
+            pos = self.pos
+            i = self.n_marked + int(self._random() * (n - self.n_marked))
+            block_id = slots[i]
+            last = slots.pop()
+            if last != block_id:
+                slots[i] = last
+                pos[last] = i
+            pos[block_id] = -1
+        self.mark_phase[block_id] = -1  # drawn from the unmarked region: no mark to count down
+        if self.last_marked == block_id:
+            self.last_marked = -1
+        parent_key = self.parent[block_id]
+        self.parent[block_id] = UNREGISTERED
+        if parent_key is UNREGISTERED or parent_key is NO_PARENT:
+            return block_id, None
+        count = self.children[parent_key] - 1
+        if count:
+            self.children[parent_key] = count
+            return block_id, None
+        del self.children[parent_key]
+        return block_id, parent_key
+
+    def is_forgotten(self, block_id: int) -> bool:
+        """True when ``forget_cached(block_id)`` would change nothing."""
+        return self.parent[block_id] is UNREGISTERED and self.pos[block_id] < 0 and self.mark_phase[block_id] < 0
+
     # ---- hash-chain relation --------------------------------------------------------------------
     def register_cached(self, block_id: int, parent_key: Hashable | None) -> bool:
         """Record the chain parent of a newly cached block. Returns True when ``parent_key`` just

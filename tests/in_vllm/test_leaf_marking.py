@@ -125,7 +125,7 @@ def test_draw_touches_a_constant_number_of_slots(n: int) -> None:
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["add", "discard", "mark", "unmark", "draw"]), st.integers(0, 11)),
+    st.tuples(st.sampled_from(["add", "discard", "mark", "unmark", "draw", "victim"]), st.integers(0, 11)),
     max_size=120,
 )
 
@@ -135,6 +135,10 @@ OPS = st.lists(
 def test_random_operations_keep_invariants(ops: list[tuple[str, int]], capacity: int) -> None:
     s = LeafMarking(12, capacity=capacity, seed=0)
     model: set[int] = set()
+    for block_id in range(1, 12):  # a chain 0 <- 1 <- ... <- 11 of keys "k0".."k11"
+        s.register_cached(block_id, f"k{block_id - 1}")
+    s.register_cached(0, None)
+    registered = set(range(12))
     for op, b in ops:
         if op == "add":
             s.add_candidate(b)
@@ -149,7 +153,17 @@ def test_random_operations_keep_invariants(ops: list[tuple[str, int]], capacity:
         else:
             unmarked_before = {c for c in model if not s.is_marked(c)}
             phase_before = s.phase
-            got = s.draw()
+            if op == "draw":
+                got = s.draw()
+            else:  # draw_victim: the draw plus forgetting the block's chain position
+                victim = s.draw_victim()
+                got = None if victim is None else victim[0]
+                if victim is not None:
+                    # a chain: block i's parent key k{i-1} loses its only child when i is forgotten
+                    expected_parent = f"k{got - 1}" if got in registered and got > 0 else None
+                    assert victim[1] == expected_parent
+                    assert s.is_forgotten(got) and (expected_parent is None or s.is_leaf_key(expected_parent))
+                    registered.discard(got)
             if not model:
                 assert got is None
                 continue
