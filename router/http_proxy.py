@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
-from aiohttp import web
 from kvroute.router.health import HealthChecker
 from kvroute.router.http_metrics import RouterMetrics
+from kvroute.router.http_server import HttpRequest, Responder
 from kvroute.router.http_upstream import (
     UpstreamBrokenError,
     UpstreamConnectError,
@@ -66,7 +66,7 @@ class ProxyService:
         metrics: RouterMetrics,
         *,
         request_timeout_s: float,
-        max_body_bytes: int,
+        max_body_bytes: int = 8 * 1024 * 1024,
         max_attempts: int = 3,
     ) -> None:
         self.router = router
@@ -107,17 +107,14 @@ class ProxyService:
             key = f"{request_id}.{next(self._seq)}"
         return key
 
-    async def handle(
-        self, request: web.Request, endpoint: Endpoint, path: str, request_id: str
-    ) -> web.StreamResponse:
+    async def handle(self, req: HttpRequest, out: Responder, endpoint: Endpoint, path: str) -> None:
         t_arrival = time.perf_counter()
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+        if req.body_too_large:
             self.metrics.rejected.labels("body_too_large").inc()
             raise RequestError(
                 413, f"request body exceeds the limit of {self.max_body_bytes} bytes", code="body_too_large"
-            ) from None
+            )
+        raw = req.body
         try:
             parsed = parse_request(endpoint, raw)
             self._check_model(parsed)
@@ -130,19 +127,19 @@ class ProxyService:
             if parsed.prompt_ids is not None
             else self.router.estimate_tokens(parsed.index_text)
         )
-        key = self._unique_key(request_id)
+        key = self._unique_key(req.request_id)
         self._active.add(key)
         try:
-            return await self._dispatch(
-                request,
+            await self._dispatch(
+                req,
+                out,
                 parsed,
                 Request(key, parsed.index_text, est, parsed.max_tokens),
                 raw,
                 path,
-                request_id,
                 t_arrival,
             )
-        except asyncio.CancelledError:  # the client disconnected (aiohttp cancels the handler)
+        except (asyncio.CancelledError, ConnectionResetError):  # the client disconnected
             self.metrics.client_disconnects.inc()
             raise
         finally:
@@ -162,17 +159,17 @@ class ProxyService:
 
     async def _dispatch(
         self,
-        request: web.Request,
+        hreq: HttpRequest,
+        out: Responder,
         parsed: ParsedRequest,
         req: Request,
         raw: bytes,
         path: str,
-        request_id: str,
         t_arrival: float,
-    ) -> web.StreamResponse:
-        # the per-request header lines; values were validated (request id) or parsed by aiohttp (no CR/LF)
-        extra = f"Content-Length: {len(raw)}\r\n{REQUEST_ID_HEADER}: {request_id}\r\n"
-        auth = request.headers.get("Authorization")
+    ) -> None:
+        # the per-request header lines; values were validated (request id) or parsed by httptools (no CR/LF)
+        extra = f"Content-Length: {len(raw)}\r\n{REQUEST_ID_HEADER}: {hreq.request_id}\r\n"
+        auth = hreq.headers.get("authorization")
         if auth is not None:
             extra += f"Authorization: {auth}\r\n"
         try:
@@ -202,9 +199,10 @@ class ProxyService:
             outcome = _Outcome()
             try:
                 key, head = self._target(worker, path)
-                return await self._forward(
-                    request, req, raw, key, head + extra_bytes, deadline, worker, t_arrival, outcome
+                await self._forward(
+                    out, req, raw, key, head + extra_bytes, deadline, worker, t_arrival, outcome
                 )
+                return
             except _RetryableUpstreamError as exc:
                 self.metrics.errors.labels(worker, "connect").inc()
                 self.health.report_failure(worker, exc.reason)
@@ -213,7 +211,7 @@ class ProxyService:
                     self.metrics.retries.inc()
                     log.info(
                         "request %s: %s failed before any byte was sent (%s); retrying",
-                        request_id,
+                        hreq.request_id,
                         worker,
                         exc.reason,
                     )
@@ -237,7 +235,7 @@ class ProxyService:
 
     async def _forward(
         self,
-        request: web.Request,
+        out: Responder,
         req: Request,
         raw: bytes,
         key: tuple[str, str, int],
@@ -246,7 +244,7 @@ class ProxyService:
         worker: str,
         t_arrival: float,
         outcome: _Outcome,
-    ) -> web.StreamResponse:
+    ) -> None:
         try:
             upstream = await self.pool.post(key, head, raw, deadline)
         except UpstreamConnectError as exc:
@@ -261,7 +259,8 @@ class ProxyService:
         try:
             ctype = upstream.content_type
             if upstream.status == 200 and ctype.startswith(_SSE):
-                return await self._stream(request, upstream, ctype, req, worker, t_arrival, outcome)
+                await self._stream(out, upstream, ctype, req, worker, t_arrival, outcome)
+                return
             try:
                 body = await upstream.read()
             except UpstreamTimeout:
@@ -282,40 +281,37 @@ class ProxyService:
             series.e2e.observe(now - t_arrival)
             if upstream.status == 200:
                 outcome.prompt_tokens, outcome.cached_tokens = usage_from_bytes(body)
-        return web.Response(
-            body=body, status=upstream.status, headers={"Content-Type": ctype, WORKER_HEADER: worker}
-        )
+        out.send(upstream.status, body, ctype, {WORKER_HEADER: worker})
 
     async def _stream(
         self,
-        request: web.Request,
+        out: Responder,
         upstream: UpstreamResponse,
         ctype: str,
         req: Request,
         worker: str,
         t_arrival: float,
         outcome: _Outcome,
-    ) -> web.StreamResponse:
-        out = _CoalescingStreamResponse(
-            status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker}
-        )
+    ) -> None:
+        headers = {"Cache-Control": "no-cache", WORKER_HEADER: worker}
         tail = b""
         try:
             async for chunk in upstream.chunks():
                 try:
-                    if not out.prepared:
-                        # prepare lazily: until the first chunk is sent, a failed upstream can be retried
+                    if not out.started:
+                        # start lazily: until the first chunk is sent, a failed upstream can be retried
                         self.router.first_token(req.id, self._now())
                         self.metrics.worker(worker).ttft.observe(time.perf_counter() - t_arrival)
-                        await out.prepare(request)
-                    await out.write(chunk)
+                        await out.start_stream(200, ctype, chunk, headers)
+                    else:
+                        await out.write_chunk(chunk)
                 except ConnectionResetError:  # the client went away; leaving closes the upstream too
                     self.metrics.client_disconnects.inc()
-                    return out
+                    return
                 tail = (tail + chunk)[-8192:]
         except (UpstreamBrokenError, UpstreamConnectError, UpstreamTimeout) as exc:
             timed_out = isinstance(exc, UpstreamTimeout)
-            if not out.prepared:
+            if not out.started:
                 if timed_out:
                     self._timeout(worker)
                 raise _RetryableUpstreamError(str(exc)) from None
@@ -329,19 +325,22 @@ class ProxyService:
                 code=kind,
             )
             try:
-                await out.write(b"data: " + err.json_bytes() + b"\n\n")
-                await out.write_eof()
+                await out.write_chunk(b"data: " + err.json_bytes() + b"\n\n")
+                out.end_stream()
             except ConnectionResetError:
                 self.metrics.client_disconnects.inc()
-            return out
-        if not out.prepared:  # an empty 200 stream
-            await out.prepare(request)
-        await out.write_eof()
+            return
+        try:
+            if not out.started:  # an empty 200 stream
+                await out.start_stream(200, ctype, b"", headers)
+            out.end_stream()
+        except ConnectionResetError:
+            self.metrics.client_disconnects.inc()
+            return
         outcome.ok = True
         self.health.report_success(worker)
         self.metrics.worker(worker).e2e.observe(time.perf_counter() - t_arrival)
         outcome.prompt_tokens, outcome.cached_tokens = usage_from_bytes(tail)
-        return out
 
     def _timeout(self, worker: str) -> NoReturn:
         self.metrics.errors.labels(worker, "timeout").inc()
@@ -351,16 +350,6 @@ class ProxyService:
             err_type="server_error",
             code="timeout",
         )
-
-
-class _CoalescingStreamResponse(web.StreamResponse):
-    """Sends the headers together with the first chunk (one segment, one client wake-up instead of two).
-
-    We prepare the response only when the first chunk is in hand, so holding the headers back delays
-    nothing. (aiohttp's StreamResponse otherwise flushes headers at prepare() for long-polling clients.)
-    """
-
-    _send_headers_immediately = False
 
 
 class _Outcome:

@@ -1,4 +1,4 @@
-"""``kvroute router``: the HTTP router (aiohttp + uvloop) in front of running SGLang / vLLM / sim workers.
+"""``kvroute router``: the HTTP router (uvloop + httptools) in front of running SGLang / vLLM / sim workers.
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/generate`` (routed and proxied, streaming or
 not), ``/v1/models``, ``/health``, ``/metrics`` (Prometheus) and the admin API ``/workers`` (GET list,
@@ -6,7 +6,9 @@ POST ``{"url": ...}`` add, DELETE ``?url=...`` remove), guarded by ``--admin-tok
 
 Every response carries ``X-Request-Id`` (the client's own when it sent a sane one). Every error is JSON in
 the OpenAI error shape. Membership can also change through :class:`RouterService` methods (the Ray
-watcher uses them); all of them run on the event loop thread.
+watcher uses them); all of them run on the event loop thread. The HTTP layer is
+:mod:`kvroute.router.http_server` (serving) and :mod:`kvroute.router.http_upstream` (proxying); aiohttp's
+client runs the health checks.
 """
 
 from __future__ import annotations
@@ -27,19 +29,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 from kvroute.router.core import Router
 from kvroute.router.health import HealthChecker, normalize_worker_url
 from kvroute.router.http_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvroute.router.http_metrics import RouterMetrics
-from kvroute.router.http_proxy import REQUEST_ID_HEADER, ProxyService
+from kvroute.router.http_proxy import ProxyService
+from kvroute.router.http_server import HttpRequest, Responder, start_server
 from kvroute.router.http_upstream import UpstreamPool
 from kvroute.router.http_validate import RequestError
 
 log = logging.getLogger("kvroute.router")
 
-_REQUEST_ID_KEY = web.RequestKey("request_id", str)
-_SERVICE_KEY = web.AppKey("router_service", object)
 _MAX_CLIENT_ID_LEN = 128
 # generated ids: a random per-process prefix + a counter (unique, and far cheaper than uuid4 per request)
 _ID_PREFIX = f"kvr-{os.urandom(6).hex()}-"
@@ -79,53 +79,30 @@ class RouterConfig:
             normalize_worker_url(url)
 
 
-def request_id_of(request: web.Request) -> str:
+def request_id_of(req: HttpRequest) -> str:
     """The request's id: the client's X-Request-Id when it is sane (<=128 visible ASCII), else a new one."""
-    rid = request.get(_REQUEST_ID_KEY)
-    if rid is None:
-        given = request.headers.get(REQUEST_ID_HEADER)
-        if (
-            given
-            and len(given) <= _MAX_CLIENT_ID_LEN
-            and given.isascii()
-            and given.isprintable()
-            and " " not in given
-        ):
-            rid = given
-        else:
-            rid = f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
-        request[_REQUEST_ID_KEY] = rid
-    return rid
+    given = req.headers.get("x-request-id")
+    if (
+        given
+        and len(given) <= _MAX_CLIENT_ID_LEN
+        and given.isascii()
+        and given.isprintable()
+        and " " not in given
+    ):
+        return given
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
-def _json_error(err: RequestError) -> web.Response:
-    return web.Response(body=err.json_bytes(), status=err.status, content_type="application/json")
+def _error_body(status: int, message: str) -> bytes:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return RequestError(status, message, err_type=kind).json_bytes()
 
 
-@web.middleware
-async def _errors_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Every failure leaves as a JSON error body with the right status; the server never crashes."""
-    try:
-        return await handler(request)
-    except RequestError as err:
-        return _json_error(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return _json_error(RequestError(exc.status, exc.reason or "error", err_type=kind))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise  # the client went away: nothing to answer
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return _json_error(RequestError(500, "internal router error", err_type="server_error"))
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
 
 
-async def _set_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    if REQUEST_ID_HEADER not in response.headers:
-        response.headers[REQUEST_ID_HEADER] = request_id_of(request)
+Route = Callable[[HttpRequest, Responder], Awaitable[None]]
 
 
 class RouterService:
@@ -145,36 +122,28 @@ class RouterService:
         self.health: HealthChecker | None = None
         self.proxy: ProxyService | None = None
         self.pool: UpstreamPool | None = None
+        self.server: asyncio.base_events.Server | None = None
         self.metrics = RouterMetrics(self._snapshot, self._health_map)
-        self.app = self._build_app()
+        self.routes: dict[tuple[str, str], Route] = {
+            ("POST", "/v1/completions"): self._generation("completions", "/v1/completions"),
+            ("POST", "/v1/chat/completions"): self._generation("chat", "/v1/chat/completions"),
+            ("POST", "/generate"): self._generation("generate", "/generate"),
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health_endpoint,
+            ("GET", "/metrics"): self._metrics_endpoint,
+            ("GET", "/workers"): self._workers_list,
+            ("POST", "/workers"): self._workers_add,
+            ("DELETE", "/workers"): self._workers_remove,
+        }
+        self._paths = {path for _, path in self.routes}
 
     # ---- lifecycle ----------------------------------------------------------------------------------
-    def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors_middleware], client_max_size=self.config.max_body_bytes)
-        app[_SERVICE_KEY] = self
-        app.on_response_prepare.append(_set_request_id)
-        app.router.add_post("/v1/completions", self._generation("completions", "/v1/completions"))
-        app.router.add_post("/v1/chat/completions", self._generation("chat", "/v1/chat/completions"))
-        app.router.add_post("/generate", self._generation("generate", "/generate"))
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health_endpoint)
-        app.router.add_get("/metrics", self._metrics_endpoint)
-        app.router.add_get("/workers", self._workers_list)
-        app.router.add_post("/workers", self._workers_add)
-        app.router.add_delete("/workers", self._workers_remove)
-        app.cleanup_ctx.append(self._lifespan)
-        return app
-
-    async def _lifespan(self, app: web.Application):  # type: ignore[no-untyped-def]
-        connector = aiohttp.TCPConnector(
-            limit=self.config.max_connections, limit_per_host=0, keepalive_timeout=30.0, ttl_dns_cache=300
-        )
-        # a proxy keeps no cookies and does not decompress: both cost time on every request
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-            cookie_jar=aiohttp.DummyCookieJar(),
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Open the pools, register the configured workers, start health checks and listen; returns the port."""
+        connector = aiohttp.TCPConnector(limit=64, keepalive_timeout=30.0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+        self.pool = UpstreamPool(
+            connect_timeout_s=self.config.connect_timeout_s, max_idle_per_host=self.config.max_connections
         )
         self.health = HealthChecker(
             self.router,
@@ -183,9 +152,6 @@ class RouterService:
             fail_threshold=self.config.health_fail_threshold,
             recover_threshold=self.config.health_recover_threshold,
             scrape_metrics=self.config.scrape_metrics,
-        )
-        self.pool = UpstreamPool(
-            connect_timeout_s=self.config.connect_timeout_s, max_idle_per_host=self.config.max_connections
         )
         self.proxy = ProxyService(
             self.router,
@@ -196,30 +162,43 @@ class RouterService:
             max_body_bytes=self.config.max_body_bytes,
             max_attempts=self.config.max_attempts,
         )
-        await asyncio.gather(
-            *(self.health.add(u) for u in dict.fromkeys(map(normalize_worker_url, self.config.worker_urls)))
-        )
+        urls = dict.fromkeys(map(normalize_worker_url, self.config.worker_urls))
+        await asyncio.gather(*(self.health.add(u) for u in urls))
         self.health.start()
-        try:
-            yield
-        finally:
+        self.server = await start_server(
+            self._dispatch,
+            host,
+            port,
+            max_body_bytes=self.config.max_body_bytes,
+            new_request_id=request_id_of,
+            error_body=_error_body,
+        )
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        if self.health is not None:
             await self.health.stop()
+        if self.pool is not None:
             self.pool.close()
+        if self.session is not None:
             await self.session.close()
 
     # ---- membership API (used by the admin endpoints and by the Ray watcher) --------------------------
     async def add_worker(self, url: str) -> dict[str, Any]:
         """Register a worker; raises ValueError on a bad URL, KeyError when already registered."""
-        assert self.health is not None, "the app is not running"
+        assert self.health is not None, "the router is not running"
         return (await self.health.add(url)).as_dict()
 
     def remove_worker(self, url: str) -> dict[str, Any]:
         """Unregister a worker (in-flight requests on it finish normally); KeyError when unknown."""
-        assert self.health is not None, "the app is not running"
+        assert self.health is not None, "the router is not running"
         return self.health.remove(url).as_dict()
 
     def list_workers(self) -> list[dict[str, Any]]:
-        assert self.health is not None, "the app is not running"
+        assert self.health is not None, "the router is not running"
         snap = self._snapshot()
         out = []
         for w in self.health.workers.values():
@@ -230,7 +209,7 @@ class RouterService:
 
     async def sync_workers(self, members: dict[str, str]) -> None:
         """Make the registered set equal to ``members`` ({worker_id: url}); the Ray watcher's callback."""
-        assert self.health is not None, "the app is not running"
+        assert self.health is not None, "the router is not running"
         wanted = {normalize_worker_url(u) for u in members.values()}
         for url in list(self.health.workers):
             if url not in wanted:
@@ -243,44 +222,57 @@ class RouterService:
     def _health_map(self) -> dict[str, bool]:
         return self.health.health_map() if self.health is not None else {}
 
-    # ---- handlers ------------------------------------------------------------------------------------
-    def _generation(self, endpoint: Any, path: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-        async def handler(request: web.Request) -> web.StreamResponse:
+    # ---- dispatch ------------------------------------------------------------------------------------
+    async def _dispatch(self, req: HttpRequest, out: Responder) -> None:
+        """Find the route; every failure leaves as a JSON error with the right status."""
+        route = self.routes.get((req.method, req.path))
+        try:
+            if route is None:
+                if req.path in self._paths:
+                    raise RequestError(405, f"method {req.method} is not allowed on {req.path}")
+                raise RequestError(404, f"no such endpoint: {req.path}", code="not_found")
+            await route(req, out)
+        except RequestError as err:
+            if not out.started:
+                out.send(err.status, err.json_bytes())
+            else:
+                out.end_stream()
+
+    def _generation(self, endpoint: Any, path: str) -> Route:
+        async def handler(req: HttpRequest, out: Responder) -> None:
             assert self.proxy is not None
-            return await self.proxy.handle(request, endpoint, path, request_id_of(request))
+            await self.proxy.handle(req, out, endpoint, path)
 
         return handler
 
-    async def _models(self, request: web.Request) -> web.Response:
+    async def _models(self, req: HttpRequest, out: Responder) -> None:
         assert self.session is not None and self.health is not None
         for url in self.health.healthy_urls():
             try:
                 async with self.session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     body = await r.read()
                     if r.status == 200:
-                        return web.Response(body=body, content_type="application/json")
+                        out.send(200, body)
+                        return
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 continue
         raise RequestError(503, "no healthy worker answered /v1/models", err_type="server_error")
 
-    async def _health_endpoint(self, request: web.Request) -> web.Response:
+    async def _health_endpoint(self, req: HttpRequest, out: Responder) -> None:
         assert self.health is not None
         healthy = len(self.health.healthy_urls())
-        status = 200 if healthy else 503
-        return web.json_response(
-            {
-                "status": "ok" if healthy else "no healthy worker",
-                "healthy_workers": healthy,
-                "workers": len(self.health.workers),
-                "policy": self.router.policy.name,
-            },
-            status=status,
-        )
+        body = {
+            "status": "ok" if healthy else "no healthy worker",
+            "healthy_workers": healthy,
+            "workers": len(self.health.workers),
+            "policy": self.router.policy.name,
+        }
+        out.send(200 if healthy else 503, _json(body))
 
-    async def _metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
+    async def _metrics_endpoint(self, req: HttpRequest, out: Responder) -> None:
+        out.send(200, self.metrics.render(), METRICS_CONTENT_TYPE)
 
-    def _authorize(self, request: web.Request, *, mutating: bool) -> None:
+    def _authorize(self, req: HttpRequest, *, mutating: bool) -> None:
         token = self.config.admin_token
         if token is None:
             if mutating:
@@ -290,8 +282,7 @@ class RouterService:
                     code="admin_disabled",
                 )
             return
-        given = request.headers.get("Authorization", "")
-        scheme, _, value = given.partition(" ")
+        scheme, _, value = req.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
             raise RequestError(
                 401,
@@ -300,15 +291,17 @@ class RouterService:
                 code="unauthorized",
             )
 
-    async def _workers_list(self, request: web.Request) -> web.Response:
-        self._authorize(request, mutating=False)
-        return web.json_response({"workers": self.list_workers()})
+    async def _workers_list(self, req: HttpRequest, out: Responder) -> None:
+        self._authorize(req, mutating=False)
+        out.send(200, _json({"workers": self.list_workers()}))
 
-    async def _url_from(self, request: web.Request) -> str:
-        url = request.query.get("url")
-        if url is None and request.can_read_body:
+    def _url_from(self, req: HttpRequest) -> str:
+        if req.body_too_large:
+            raise RequestError(413, f"request body exceeds the limit of {self.config.max_body_bytes} bytes")
+        url = req.query.get("url")
+        if url is None and req.body:
             try:
-                body = json.loads(await request.read())
+                body = json.loads(req.body)
             except ValueError:
                 raise RequestError(400, "request body is not valid JSON") from None
             url = body.get("url") if isinstance(body, dict) else None
@@ -321,27 +314,23 @@ class RouterService:
         except ValueError as exc:
             raise RequestError(400, str(exc), param="url") from None
 
-    async def _workers_add(self, request: web.Request) -> web.Response:
-        self._authorize(request, mutating=True)
-        url = await self._url_from(request)
+    async def _workers_add(self, req: HttpRequest, out: Responder) -> None:
+        self._authorize(req, mutating=True)
+        url = self._url_from(req)
         try:
             info = await self.add_worker(url)
         except KeyError:
             raise RequestError(409, f"worker {url} is already registered", code="conflict") from None
-        return web.json_response(info, status=201)
+        out.send(201, _json(info))
 
-    async def _workers_remove(self, request: web.Request) -> web.Response:
-        self._authorize(request, mutating=True)
-        url = await self._url_from(request)
+    async def _workers_remove(self, req: HttpRequest, out: Responder) -> None:
+        self._authorize(req, mutating=True)
+        url = self._url_from(req)
         try:
             info = self.remove_worker(url)
         except KeyError:
             raise RequestError(404, f"worker {url} is not registered", code="not_found") from None
-        return web.json_response(info)
-
-
-def create_app(config: RouterConfig) -> web.Application:
-    return RouterService(config).app
+        out.send(200, _json(info))
 
 
 # ---- CLI ---------------------------------------------------------------------------------------------
@@ -410,14 +399,10 @@ async def serve(
 ) -> None:
     """Run the router until cancelled. ``ready(port)`` is called once it listens."""
     service = RouterService(config)
-    runner = web.AppRunner(service.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=4096, reuse_address=True)
-    await site.start()
+    bound = await service.start(host, port)
     # everything allocated so far lives as long as the process: keep it out of the cyclic GC's scans
     gc.collect()
     gc.freeze()
-    bound = runner.addresses[0][1] if runner.addresses else port
     log.info(
         "router listening on http://%s:%d with policy %s (%d workers)",
         host,
@@ -442,7 +427,7 @@ async def serve(
     finally:
         if watcher is not None:
             watcher.cancel()
-        await runner.cleanup()
+        await service.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

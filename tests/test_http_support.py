@@ -77,13 +77,13 @@ async def cluster(
     service = RouterService(
         RouterConfig(worker_urls=[s.url for s in served], policy=policy, seed=0, **config)
     )
-    router_served = await serve_app(service.app)
+    port = await service.start("127.0.0.1", 0)
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))
     try:
-        yield Cluster(router_served.url, service, workers, [s.url for s in served], served, session)
+        yield Cluster(f"http://127.0.0.1:{port}", service, workers, [s.url for s in served], served, session)
     finally:
         await session.close()
-        await router_served.stop()
+        await service.stop()
         for s in served:
             with contextlib.suppress(RuntimeError):
                 await s.stop()
