@@ -167,7 +167,7 @@ def plot_bars(
         ax.set_xticks(range(len(workloads)), workloads, rotation=30 if by_rate else 0)
         ax.set_ylabel(METRICS.get(metric, (metric, ""))[0])
         ax.set_title(metric)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # outside: never hides a bar
         fig.tight_layout()
         path = out / f"{metric}.png"
         fig.savefig(path, dpi=110)
