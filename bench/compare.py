@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         "--workloads", default=DEFAULT_WORKLOADS, help=f"comma-separated (default {DEFAULT_WORKLOADS})"
     )
     parser.add_argument(
-        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})"
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated; options as name:key=value, e.g. cache_aware:preset=sglang-0.1.4 (default {DEFAULT_POLICIES})",
     )
     parser.add_argument(
         "--evictions", default=DEFAULT_EVICTIONS, help=f"comma-separated (default {DEFAULT_EVICTIONS})"
