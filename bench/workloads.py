@@ -132,13 +132,15 @@ def _gsp(
         seed=seed,
     )
     arrivals = poisson_arrivals(len(trace), rate, np.random.default_rng([seed, 1]))
-    # The trace does not name groups: a group is its prefix (the first round(length*ratio) tokens).
-    # Its text is decoded once and shared by the group's requests.
+    # The trace does not name groups: a group is its prefix (the first round(length*ratio) tokens),
+    # recognised by its length and first 32 tokens (random ids: two groups never share them). Its text
+    # is decoded once and shared by the group's requests.
     group_of: dict[tuple[int, ...], tuple[int, str]] = {}
     out = []
     for i, ((prompt, output), t) in enumerate(zip(trace, arrivals, strict=True)):
         n_prefix = round(len(prompt) * float(prefix_ratio))
-        key = (len(prompt), *prompt[:n_prefix])
+        # (without a prefix there is nothing to share: every query is its own group)
+        key = (len(prompt), n_prefix, *prompt[: min(n_prefix, 32)]) if n_prefix else (i,)
         known = group_of.get(key)
         if known is None:
             known = group_of[key] = (len(group_of), decode(prompt[:n_prefix]))
