@@ -283,7 +283,11 @@ class HttpServerProtocol(asyncio.Protocol):
             responder = Responder(self, req.request_id)
             try:
                 await self.handler(req, responder)
-            except (ConnectionResetError, asyncio.CancelledError):
+            except ConnectionResetError:  # the client went away mid-response: nothing more to say
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            except asyncio.CancelledError:
                 if self.transport is not None:
                     self.transport.close()
                 raise
