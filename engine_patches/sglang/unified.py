@@ -211,7 +211,10 @@ class RLTFullComponentMixin:
         page = core.page_size
         in_place = core.rlt_in_place_trim_allowed()
         tails = []
+        leaves = core.evictable_device_leaves
         for node, n_pages in self._rlt_taken.items():
+            if node not in leaves:  # no longer an unlocked device leaf: its draws lapse
+                continue
             keep = len(node.key) - n_pages * page
             if in_place and keep > 0 and core.rlt_node_trimmable(node):
                 tails.append(core.rlt_trim_tail(node, keep))
