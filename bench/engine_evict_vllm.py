@@ -8,8 +8,11 @@ vLLM's scheduler does: look up the prefix cache (``get_computed_blocks``), recor
 (``allocate_slots``), decode the output tokens one slot at a time, and free the request.
 
 Eviction cost: every ``BlockPool.get_new_blocks`` call is timed (the same timer around both policies); a
-call that dropped cached blocks is an *eviction call*. Reported: microseconds per eviction call (mean,
-p50, p99) and per evicted block. Hit rate = hits / queries from vLLM's own stats.
+call that dropped cached blocks is an *eviction call*. Reported: wall-clock microseconds per eviction call
+(mean, p50, p99) and per evicted block, and the same in the calling thread's CPU time (robust on a shared
+machine). ``--repeats`` runs interleave the policies; timings are medians over runs. Hit rate = hits /
+queries from vLLM's own stats. The pool runs as a server does by default: no KV events, no residency
+metrics.
 
 Default trace: seed 004's worst-case GSP (``kvroute.bench.traces.gsp``: 64 groups x 32 queries, lengths
 512..8192, prefix ratio 0.5, round robin) with a 190,000-token pool, as the SGLang benchmark uses.
