@@ -294,7 +294,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         table.add_column(title, justify="right")
     for r in rows:
         table.add_row(*(fmt.format(r[key]) for _, key, fmt in cols))
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped or logged: don't squeeze the numbers into 80 columns
+        console = Console(width=160)
+    console.print(table)
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
