@@ -56,7 +56,7 @@ def usage_from_bytes(data: bytes) -> tuple[int | None, int | None]:
 
 
 class ProxyService:
-    """Holds the shared state of the proxy path (one per app)."""
+    """Holds the shared state of the proxy path (one per router)."""
 
     def __init__(
         self,
