@@ -66,14 +66,23 @@ class LeafMarking:
 
     def add_candidate(self, block_id: int) -> None:
         """Make a free, cached leaf block drawable (no-op when it already is)."""
-        if self.pos[block_id] >= 0:
+        pos = self.pos
+        if pos[block_id] >= 0:
             return
-        i = len(self.slots)
-        self.slots.append(block_id)
-        self.pos[block_id] = i
-        if self.mark_phase[block_id] == self.phase:
-            self._swap(i, self.n_marked)
-            self.n_marked += 1
+        slots = self.slots
+        i = len(slots)
+        if self.mark_phase[block_id] == self.phase:  # into the marked region: swap with its first unmarked
+            j = self.n_marked
+            self.n_marked = j + 1
+            if j < i:
+                other = slots[j]
+                slots[j] = block_id
+                slots.append(other)
+                pos[other] = i
+                pos[block_id] = j
+                return
+        slots.append(block_id)
+        pos[block_id] = i
 
     def discard_candidate(self, block_id: int) -> None:
         """Remove a block from the candidates (taken by a request, evicted, or no longer a leaf)."""
@@ -193,7 +202,9 @@ class LeafMarking:
 
     def is_forgotten(self, block_id: int) -> bool:
         """True when ``forget_cached(block_id)`` would change nothing."""
-        return self.parent[block_id] is UNREGISTERED and self.pos[block_id] < 0 and self.mark_phase[block_id] < 0
+        return (
+            self.parent[block_id] is UNREGISTERED and self.pos[block_id] < 0 and self.mark_phase[block_id] < 0
+        )
 
     # ---- hash-chain relation --------------------------------------------------------------------
     def register_cached(self, block_id: int, parent_key: Hashable | None) -> bool:
