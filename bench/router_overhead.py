@@ -379,6 +379,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = list(os.getloadavg())  # other work on the machine shows in latencies: record it
     log_dir = Path(args.log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[Proc] = []
@@ -500,7 +501,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for key in ("router_cpu_ms_per_request", "workers_cpu_ms_per_request", "client_cpu_ms_per_request"):
             entry[key] = float(np.mean([run[key] for run in entry["runs"]]))
     results: dict[str, Any] = {
-        "machine": machine(),
+        "machine": {**machine(), "loadavg_before": load_before, "loadavg_after": list(os.getloadavg())},
         "config": {k: v for k, v in vars(args).items() if k not in ("command",)},
         "ttft": ttft,
         "rps": rps,
@@ -522,6 +523,8 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_results(results: dict[str, Any]) -> None:
     console = Console()
+    if not console.is_terminal:  # pipes and files: do not squeeze the table into 80 columns
+        console = Console(width=200)
     table = Table(title="router overhead (trivial workers; client, routers, workers on this machine)")
     for col in (
         "target",
@@ -551,6 +554,11 @@ def print_results(results: dict[str, Any]) -> None:
             f"{r['client_cpu_ms_per_request']:.3f}",
         )
     console.print(table)
+    m = results["machine"]
+    console.print(
+        f"machine: {m['cpus']} CPUs, {m['platform']}; load average before {m['loadavg_before'][0]:.2f}, "
+        f"after {m['loadavg_after'][0]:.2f}"
+    )
     tg = results["targets"]
     if "added_p50_ttft_ms" in tg:
         console.print(
