@@ -266,9 +266,10 @@ class HttpServerProtocol(asyncio.Protocol):
     def _fatal(self, status: int, message: str) -> None:
         if self.transport is not None and not self.closed:
             body = self.error_body(status, message)
+            rid = self.new_request_id(HttpRequest("", "", {}, {}, b"", False))  # nothing parsed: a fresh id
             self.transport.write(
                 f"HTTP/1.1 {status} {_reason(status)}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {rid}\r\nConnection: close\r\n\r\n".encode()
                 + body
             )
             self.transport.close()

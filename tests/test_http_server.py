@@ -152,7 +152,7 @@ def test_limits_and_errors_become_json_and_the_server_stays_up() -> None:
             raw = await _exchange(port, _post("/big", b"x" * 50))
             assert json.loads(raw.split(b"\r\n\r\n", 1)[1])["too_large"] is True  # handler decides (413)
             raw = await _exchange(port, b"GARBAGE / NONSENSE\r\n\r\n")
-            assert raw.startswith(b"HTTP/1.1 400 ") and b'"error"' in raw
+            assert raw.startswith(b"HTTP/1.1 400 ") and b'"error"' in raw and b"X-Request-Id: id" in raw
             raw = await _exchange(port, _post("/boom", b""), read_until_close=False)
             assert raw.startswith(b"HTTP/1.1 500 ") and b"internal router error" in raw
             raw = await _exchange(port, _post("/silent", b""), read_until_close=False)
