@@ -149,6 +149,10 @@ class Replayer:
         """Prefill ``prompt``, decode ``output`` token by token, free. False when the pool can't hold it."""
         mgr = self.manager
         self._count += 1
+        if len(prompt) + len(output) > mgr.max_model_len:  # vLLM's front end rejects these (HTTP 400)
+            self.stats.requests += 1
+            self.stats.failed_allocations += 1
+            return False
         req = self._request_cls(
             f"r{self._count}", list(prompt), self._params, None, block_hasher=self._hasher
         )

@@ -199,7 +199,8 @@ def cache_full_blocks(
     hashes = _vllm["resolve_block_hashes"](request.block_hashes, self.hash_block_size, block_size)
     cache_get = self.cached_block_hash_to_block._cache.get
     key = make_key(hashes[num_cached_blocks - 1], kv_cache_group_id) if num_cached_blocks > 0 else None
-    for i in range(num_cached_blocks, num_full_blocks):
+    # vLLM slices blocks[num_cached_blocks:num_full_blocks]: the list may be shorter than num_full_blocks
+    for i in range(num_cached_blocks, min(num_full_blocks, len(blocks), len(hashes))):
         parent_key, key = key, make_key(hashes[i], kv_cache_group_id)
         block = blocks[i]
         if block.is_null or block.block_hash != key:

@@ -353,3 +353,20 @@ def test_worst_case_round_robin_hit_rate_rlt_beats_vllm_lru(vllm_available: None
     rlt = [_hit_rate("rlt", trace, num_blocks=57, seed=s) for s in range(3)]
     assert lru < 0.02
     assert min(rlt) > lru + 0.05, (lru, rlt)
+
+
+def test_cache_full_blocks_with_fewer_blocks_than_full_blocks(rlt: None) -> None:
+    """vLLM slices ``blocks[num_cached:num_full]``, so a shorter list is legal; RLT's bookkeeping follows."""
+    from kvroute.engine_patches.vllm.block_pool_rlt import rlt_state
+
+    eng = Engine(num_blocks=10, events=False)
+    req = eng._request_cls("short", list(range(3 * BLOCK + 1)), eng._params, None, block_hasher=eng._hasher)
+    blocks = eng.pool.get_new_blocks(2)
+    eng.pool.cache_full_blocks(req, blocks, 0, 3, BLOCK, 0)
+    assert all(b.block_hash is not None for b in blocks)
+    state = rlt_state(eng.pool)
+    assert state.parent_of(blocks[1].block_id) == blocks[0].block_hash  # chained
+    assert not state.is_leaf_key(blocks[0].block_hash) and state.is_leaf_key(blocks[1].block_hash)
+    eng.pool.free_blocks(reversed(blocks))
+    assert set(state.slots) == {blocks[1].block_id}  # only the leaf is drawable
+    state.check_invariants()
