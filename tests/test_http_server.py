@@ -44,12 +44,13 @@ def _error(status: int, message: str) -> bytes:
     return json.dumps({"error": {"message": message, "code": status}}).encode()
 
 
-async def _server(max_body: int = 1000):  # type: ignore[no-untyped-def]
+async def _server(max_body: int = 1000, idle: float = 75.0):  # type: ignore[no-untyped-def]
     ids = iter(range(1, 10_000))
     server = await start_server(
         _handler,
         "127.0.0.1",
         0,
+        idle_timeout_s=idle,
         max_body_bytes=max_body,
         new_request_id=lambda req: req.headers.get("x-request-id") or f"id{next(ids)}",
         error_body=_error,
@@ -184,6 +185,25 @@ def test_client_disconnect_cancels_the_handler() -> None:
                     break
                 await asyncio.sleep(0.02)
             assert "slow-1" in SLOW_CANCELLED
+        finally:
+            server.close()
+
+    run(body())
+
+
+def test_oversized_heads_are_refused_and_idle_connections_closed() -> None:
+    async def body() -> None:
+        server, port = await _server(idle=0.3)
+        try:
+            raw = await _exchange(port, _post("/h", b"{}", "X-Big: " + "a" * 70_000 + "\r\n"))
+            assert raw.startswith(b"HTTP/1.1 431 ")
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(_post("/k", b"{}"))
+            assert (await r.readuntil(b'"too_large": false}')).startswith(b"HTTP/1.1 200 OK")
+            t0 = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(r.read(), 5) == b""  # the server closed the idle connection
+            assert 0.2 < asyncio.get_running_loop().time() - t0 < 3
+            w.close()
         finally:
             server.close()
 
