@@ -8,7 +8,8 @@ aiohttp still serves the router's own HTTP and runs the health checks.
 Invariants:
 - a connection serves one exchange at a time and returns to its pool only after a complete response
   with keep-alive; an exchange that is abandoned (error, timeout, cancellation) closes its connection;
-- idle connections older than ``idle_timeout_s`` are never reused (the worker may have closed them);
+- idle connections older than ``idle_timeout_s`` are never reused (the worker may have closed them:
+  uvicorn, which serves SGLang and vLLM, closes keep-alive connections idle for 5 s, hence 4 s here);
 - ``UpstreamConnectError`` means the worker never produced a response byte (safe to try elsewhere);
   a failure on a *reused* idle connection before any response byte is retried once on a new connection,
   since the server may have closed it just as we sent.
@@ -197,7 +198,7 @@ class UpstreamPool:
     """Keep-alive pools per (host, port). All methods run on the event loop thread."""
 
     def __init__(
-        self, *, connect_timeout_s: float = 2.0, idle_timeout_s: float = 15.0, max_idle_per_host: int = 256
+        self, *, connect_timeout_s: float = 2.0, idle_timeout_s: float = 4.0, max_idle_per_host: int = 256
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
