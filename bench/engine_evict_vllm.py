@@ -47,6 +47,7 @@ class ReplayStats:
     evict_call_ns: list[int] = field(default_factory=list)  # wall clock per eviction call
     evict_call_cpu_ns: list[int] = field(default_factory=list)  # this thread's CPU time per call
     evicted_blocks: int = 0
+    replay_cpu_s: float = 0.0  # CPU time of the whole replay (all cache-manager work, not only evictions)
     kv_events: int = 0
     blocks_removed_events: int = 0
 
@@ -217,9 +218,12 @@ def replay(
         from tqdm import tqdm
 
         items = tqdm(trace, desc=f"vllm {policy}", unit="req", file=sys.stderr, leave=False)
+    start = time.thread_time()
     for prompt, output in items:
         replayer.serve(prompt, output)
-    return replayer.finish()
+    stats = replayer.finish()
+    stats.replay_cpu_s = time.thread_time() - start
+    return stats
 
 
 def row(policy: str, stats: ReplayStats, **extra: Any) -> dict[str, Any]:
@@ -255,6 +259,7 @@ def row(policy: str, stats: ReplayStats, **extra: Any) -> dict[str, Any]:
         if stats.evicted_blocks
         else 0.0,
         "block_removed_events": stats.blocks_removed_events,
+        "replay_cpu_s": stats.replay_cpu_s,
     }
 
 
@@ -266,6 +271,7 @@ TIMING_KEYS = (
     "evict_cpu_us_mean",
     "evict_cpu_us_p50",
     "cpu_us_per_evicted_block",
+    "replay_cpu_s",
 )
 
 
@@ -294,6 +300,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         ("us/evicted block", "us_per_evicted_block", "{:.2f}"),
         ("CPU us/evict call", "evict_cpu_us_mean", "{:.1f}"),
         ("CPU us/evicted block", "cpu_us_per_evicted_block", "{:.2f}"),
+        ("replay CPU s", "replay_cpu_s", "{:.2f}"),
         ("failed", "failed", "{}"),
     ]
     for title, _, _ in cols:
