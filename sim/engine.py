@@ -186,8 +186,18 @@ class EngineModel:
             raise ValueError(f"req_id must be a non-empty str, got {req_id!r}")
         if req_id in self._live:
             raise ValueError(f"request {req_id!r} is already in this engine")
+        if isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+            raise TypeError(
+                f"request {req_id!r}: tokens must be a sequence of ints, got {type(tokens).__name__}"
+            )
         if len(tokens) == 0:
             raise ValueError(f"request {req_id!r} has an empty prompt")
+        try:
+            lowest = min(tokens)  # C loop: catches negative ids and mixed types before they reach the cache
+        except TypeError:
+            raise TypeError(f"request {req_id!r}: tokens must be ints") from None
+        if lowest < 0:
+            raise ValueError(f"request {req_id!r}: token ids must be >= 0, got {lowest}")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
         if len(tokens) + max_tokens > self.kv_capacity_tokens:

@@ -123,6 +123,12 @@ def test_bad_submissions_are_rejected() -> None:
         engine.submit("big", list(range(98)), 4, 0.0)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.submit("empty", [], 4, 0.0)
+    with pytest.raises(ValueError, match=">= 0"):
+        engine.submit("neg", [3, -1], 1, 0.0)
+    with pytest.raises(TypeError):
+        engine.submit("text", "hello", 1, 0.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        engine.submit("mixed", [1, "a"], 1, 0.0)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="max_tokens"):
         engine.submit("zero", [1, 2], 0, 0.0)
     engine.submit("ok", [1, 2], 1, 0.0)
