@@ -222,7 +222,8 @@ class UpstreamPool:
             now = time.monotonic()
             while idle:
                 conn = idle.pop()
-                if not conn.closed and now - conn.idle_since < self.idle_timeout_s:
+                alive = not conn.closed and conn.transport is not None and not conn.transport.is_closing()
+                if alive and now - conn.idle_since < self.idle_timeout_s:
                     return conn
                 conn.close()
         loop = asyncio.get_running_loop()
@@ -247,7 +248,17 @@ class UpstreamPool:
             loop = conn.loop
             timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), _expire, conn)
             assert conn.transport is not None
-            conn.transport.write(head + body)  # one segment: the worker wakes once per request
+            try:
+                conn.transport.write(head + body)  # one segment: the worker wakes once per request
+            except RuntimeError:
+                # uvloop raises once the worker's close reached the transport but not yet our protocol
+                timer.cancel()
+                conn.close()
+                if conn.reused and attempt == 0:
+                    continue
+                raise UpstreamConnectError(
+                    f"connection to {key[1]}:{key[2]} closed before the request"
+                ) from None
             try:
                 await conn.headers_done
             except UpstreamConnectError:
