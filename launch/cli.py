@@ -60,8 +60,10 @@ def main(argv: list[str] | None = None) -> int:
                 module = importlib.import_module(module_name)
             except ModuleNotFoundError as exc:
                 if exc.name and exc.name.startswith("kvroute"):
-                    print(f"kvroute: command '{' '.join(words)}' is not available yet ({exc.name})",
-                          file=sys.stderr)
+                    print(
+                        f"kvroute: command '{' '.join(words)}' is not available yet ({exc.name})",
+                        file=sys.stderr,
+                    )
                     return 2
                 raise
             return int(module.main(args[n:]) or 0)
