@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             except ModuleNotFoundError as exc:
                 if exc.name and exc.name.startswith("kvroute"):
                     print(
-                        f"kvroute: command '{' '.join(words)}' is not available yet ({exc.name})",
+                        f"kvroute: command '{' '.join(words)}' cannot be loaded: {exc}",
                         file=sys.stderr,
                     )
                     return 2
