@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import logging
-import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
 import pytest
 import ray  # installed with the [ray] extra, as in CI
 from kvroute.router import ray_membership
+from ray_support import local_ray_cluster
 
 pytestmark = pytest.mark.ray
 
@@ -46,60 +44,50 @@ def _wait(pred, timeout_s: float = 60.0, what: str = "condition") -> None:  # ty
 
 
 def test_router_follows_ray_membership() -> None:
-    tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ray.init(
-        num_cpus=1,
-        include_dashboard=False,
-        namespace=ray_membership.NAMESPACE,
-        _temp_dir=tmp,
-        logging_level=logging.WARNING,
-    )
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        address = ray.get_runtime_context().gcs_address
-        members = ray_membership.get_or_create("httptest", ttl_s=30.0)
-        kv = [sys.executable, "-m", "kvroute.launch.cli"]
-        w_port, r_port = _free_port(), _free_port()
-        procs.append(subprocess.Popen([*kv, "worker", "--port", str(w_port), "--log-level", "WARNING"]))
-        procs.append(
-            subprocess.Popen(
-                [
-                    *kv,
-                    "router",
-                    "--ray",
-                    address,
-                    "--ray-cluster",
-                    "httptest",
-                    "--port",
-                    str(r_port),
-                    "--log-level",
-                    "WARNING",
-                ],
-                env={**os.environ, "TMPDIR": tmp},
+    with local_ray_cluster(num_cpus=1) as address:
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            members = ray_membership.get_or_create("httptest", ttl_s=30.0)
+            kv = [sys.executable, "-m", "kvroute.launch.cli"]
+            w_port, r_port = _free_port(), _free_port()
+            procs.append(subprocess.Popen([*kv, "worker", "--port", str(w_port), "--log-level", "WARNING"]))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        *kv,
+                        "router",
+                        "--ray",
+                        address,
+                        "--ray-cluster",
+                        "httptest",
+                        "--port",
+                        str(r_port),
+                        "--log-level",
+                        "WARNING",
+                    ],
+                )
             )
-        )
-        router = f"http://127.0.0.1:{r_port}"
-        _wait(lambda: _get_json(router + "/health")[1]["workers"] == 0, what="router up with no workers")
-        ray.get(members.put.remote("w0", f"http://127.0.0.1:{w_port}"))
-        _wait(
-            lambda: (
-                _get_json(router + "/health")
-                == (200, {"status": "ok", "healthy_workers": 1, "workers": 1, "policy": "cache_aware"})
-            ),
-            what="worker admitted from the membership",
-        )
-        req = urllib.request.Request(
-            router + "/v1/completions",
-            data=b'{"prompt": "a b", "max_tokens": 1}',
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=10) as r:
-            assert r.status == 200
-        ray.get(members.remove.remote("w0"))
-        _wait(lambda: _get_json(router + "/health")[1]["workers"] == 0, what="worker removed")
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=15)
-        ray.shutdown()
+            router = f"http://127.0.0.1:{r_port}"
+            _wait(lambda: _get_json(router + "/health")[1]["workers"] == 0, what="router up with no workers")
+            ray.get(members.put.remote("w0", f"http://127.0.0.1:{w_port}"))
+            _wait(
+                lambda: (
+                    _get_json(router + "/health")
+                    == (200, {"status": "ok", "healthy_workers": 1, "workers": 1, "policy": "cache_aware"})
+                ),
+                what="worker admitted from the membership",
+            )
+            req = urllib.request.Request(
+                router + "/v1/completions",
+                data=b'{"prompt": "a b", "max_tokens": 1}',
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert r.status == 200
+            ray.get(members.remove.remote("w0"))
+            _wait(lambda: _get_json(router + "/health")[1]["workers"] == 0, what="worker removed")
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(timeout=15)

@@ -6,12 +6,10 @@ the launcher joins it through the explicit GCS address, as a launcher on another
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -23,29 +21,14 @@ import ray
 from kvroute.launch.local import free_ports
 from kvroute.launch.ray_cluster import worker_actor_name
 from kvroute.router import ray_membership
+from ray_support import local_ray_cluster
 from test_launch_helpers import Launch, assert_no_leftovers, get_json, post_json
 
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # short: Ray's socket paths have a length limit
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = tmp
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        namespace=ray_membership.NAMESPACE,
-        _temp_dir=tmp,
-        logging_level=logging.WARNING,
-    )
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = old
+    with local_ray_cluster(num_cpus=4) as address:
+        yield address
 
 
 class Load:

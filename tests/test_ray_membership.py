@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import logging
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 import ray
 from kvroute.router import ray_membership
+from ray_support import local_ray_cluster
 
 WATCHER = """
 import asyncio, json, sys
@@ -26,24 +24,8 @@ asyncio.run(watch(sys.argv[1], show, cluster=sys.argv[2], interval_s=0.2))
 
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
-    tmp = tempfile.mkdtemp(prefix="kvr", dir="/tmp")  # short: Ray's socket paths have a length limit
-    old = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = tmp
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        namespace=ray_membership.NAMESPACE,
-        _temp_dir=tmp,
-        logging_level=logging.WARNING,
-    )
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = old
+    with local_ray_cluster(num_cpus=2) as address:
+        yield address
 
 
 def next_change(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> tuple[float, dict[str, str]]:
