@@ -28,7 +28,9 @@ import numpy as np
 from kvroute.bench.traces import gsp
 
 KINDS = ("unified", "radix")
-POLICIES = ("lru", "rlt")
+# rlt-leaf: rlt with --radix-eviction-policy-config unit=leaf; lru-python: SGLang's lru on its Python tree
+# core (the core rlt runs on; SGLang's server default for lru is its Rust core), unified tree only
+POLICIES = ("lru", "lru-python", "rlt", "rlt-leaf")
 VOCAB = 32000
 
 
@@ -56,7 +58,8 @@ def build_cache(
 ) -> tuple[Any, Any]:
     """SGLang's ``kind`` tree (``unified`` or ``radix``) with ``policy`` over a CPU KV pool of
     ``pool_tokens`` tokens. Returns ``(cache, allocator)``. ``seed`` and ``capacity_tokens`` (RLT's phase
-    size, default the pool) go to rlt as ``--radix-eviction-policy-config`` would."""
+    size, default the pool) go to rlt as ``--radix-eviction-policy-config`` would; policy ``rlt-leaf`` is
+    rlt with ``unit="leaf"`` (one whole leaf per draw)."""
     import torch
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -92,11 +95,19 @@ def build_cache(
     req_pool = ReqToTokenPool(
         size=2, max_context_len=max_context_len, device="cpu", enable_memory_saver=False
     )
-    config: dict[str, int] | None = None
-    if policy == "rlt":  # --radix-eviction-policy-config of the server
-        config = (
-            {"seed": seed} if capacity_tokens is None else {"seed": seed, "capacity_tokens": capacity_tokens}
-        )
+    config: dict[str, int | str] | None = None
+    if policy in ("rlt", "rlt-leaf"):  # --radix-eviction-policy-config of the server
+        config = {"seed": seed, "unit": "leaf" if policy == "rlt-leaf" else "page"}
+        if capacity_tokens is not None:
+            config["capacity_tokens"] = capacity_tokens
+        policy = "rlt"
+    tree_core_backend = None
+    if policy == "lru-python":
+        if kind != "unified":
+            raise ValueError(
+                "lru-python is SGLang's lru on UnifiedRadixCache's Python core: kind 'unified' only"
+            )
+        policy, tree_core_backend = "lru", "python"
     common = dict(
         disable=False,
         req_to_token_pool=req_pool,
@@ -110,7 +121,9 @@ def build_cache(
         from sglang.srt.mem_cache.unified_cache.components import ComponentType
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-        params = CacheInitParams(**common, tree_components=(ComponentType.FULL,))
+        params = CacheInitParams(
+            **common, tree_components=(ComponentType.FULL,), tree_core_backend=tree_core_backend
+        )
         return UnifiedRadixCache(params), allocator
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
@@ -288,7 +301,12 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m kvroute.bench.engine_evict_sglang", description=__doc__.split("\n")[0]
     )
     p.add_argument("--kinds", default="unified,radix", help="SGLang trees: unified,radix")
-    p.add_argument("--policies", default="lru,rlt")
+    p.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="lru (SGLang's server default: the Rust core for unified), lru-python (unified only), rlt, "
+        "rlt-leaf (rlt with unit=leaf)",
+    )
     p.add_argument("--pool-tokens", type=int, default=190_000)
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--groups", type=int, default=64)
@@ -336,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     with Progress(console=console, transient=True) as bar:
         for kind in kinds:
             for policy in policies:
+                if policy == "lru-python" and kind != "unified":
+                    continue  # the legacy RadixCache has one (Python) implementation: its lru row
                 task = bar.add_task(f"sglang {kind} {policy}", total=len(trace))
                 results.append(
                     replay(
@@ -369,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             "policy",
             "hit rate",
             "evict calls",
+            "tokens/call",
             "us/call mean",
             "p50",
             "p99",
@@ -383,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                 r.policy,
                 f"{r.hit_rate:.2%}",
                 str(r.evict_calls),
+                f"{r.evicted_tokens / r.evict_calls:.0f}" if r.evict_calls else "-",
                 f"{r.evict_us_mean:.0f}",
                 f"{r.evict_us_p50:.0f}",
                 f"{r.evict_us_p99:.0f}",

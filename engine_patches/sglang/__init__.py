@@ -15,7 +15,9 @@ group ``sglang.srt.plugins`` runs in the launcher before argument parsing and in
 Outside ``load_plugins`` (e.g. in a script), call ``install()``, which also applies the hooks.
 
 Usage: ``python -m sglang.launch_server --model-path M --radix-eviction-policy rlt
-[--radix-eviction-policy-config '{"seed": 0}']``.
+[--radix-eviction-policy-config '{"seed": 0, "unit": "page"}']``. ``unit`` is what one draw evicts:
+``"page"`` (default, seed 004's leaf-token draw) or ``"leaf"`` (a whole random unmarked leaf; cheaper per
+eviction call, see ``strategy.RLTStrategy``).
 """
 
 from __future__ import annotations

@@ -8,12 +8,20 @@ any other policy keep SGLang's class untouched. Only SGLang's own tree operation
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
 import numpy as np
 import torch
-from kvroute.engine_patches.sglang.rlt_core import UNMARKED, RLTLeafSet, RLTPhase, draw_pages, mark_path
+from kvroute.engine_patches.sglang.rlt_core import (
+    UNMARKED,
+    RLTLeafSet,
+    RLTPhase,
+    draw_leaf,
+    draw_pages,
+    mark_path,
+)
 from kvroute.engine_patches.sglang.strategy import RLTStrategy, resolve_capacity
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -36,6 +44,8 @@ def _make_rlt_class(cls: type) -> type:
                 raise TypeError(f"rlt tree built with strategy {type(strategy).__name__}")
             self._rlt_phase = RLTPhase(resolve_capacity(strategy, self.token_to_kv_pool_allocator))
             self._rlt_rng = np.random.default_rng(strategy.seed)
+            self._rlt_unit = strategy.unit
+            self._rlt_randbelow = random.Random(strategy.seed).randrange
             self.evictable_leaves = RLTLeafSet(self._rlt_phase, self.evictable_leaves)
 
         # -- marking -------------------------------------------------------------------------------------
@@ -68,10 +78,24 @@ def _make_rlt_class(cls: type) -> type:
             start_time = time.perf_counter()
             if params.num_tokens <= 0:
                 return EvictResult(num_tokens_evicted=0)
-            pages = -(-params.num_tokens // self.page_size)
-            num_evicted = self._rlt_evict_pages(pages)
+            if self._rlt_unit == "leaf":
+                num_evicted = self._rlt_evict_leaves(params.num_tokens)
+            else:
+                num_evicted = self._rlt_evict_pages(-(-params.num_tokens // self.page_size))
             self.update_eviction_metrics(num_evicted, start_time)
             return EvictResult(num_tokens_evicted=num_evicted)
+
+        def _rlt_evict_leaves(self, num_tokens: int) -> int:
+            """``unit="leaf"``: evict random unmarked leaves whole until ``num_tokens`` are freed (or
+            nothing is evictable); returns tokens."""
+            leaves: RLTLeafSet = self.evictable_leaves
+            evicted = 0
+            while evicted < num_tokens:
+                node = draw_leaf(leaves, self._rlt_phase, self._rlt_randbelow)
+                if node is None:
+                    break
+                evicted += self._rlt_delete_leaf(node)  # its parent may become a candidate
+            return evicted
 
         def _rlt_evict_pages(self, quota_pages: int) -> int:
             """Draw ``quota_pages`` pages (or until nothing is evictable) and evict them; returns tokens."""

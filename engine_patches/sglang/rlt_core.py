@@ -19,7 +19,7 @@ stop at the first node already marked.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -198,6 +198,19 @@ def mark_path(node: Any, root: Any, phase: RLTPhase, leaves: RLTLeafSet) -> None
             phase.marked_tokens += len(cur.key)
             leaves.on_marked(cur)
             cur = cur.parent
+
+
+def draw_leaf(leaves: RLTLeafSet, phase: RLTPhase, randbelow: Callable[[int], int]) -> Any | None:
+    """A uniformly random unmarked leaf (starting a new phase when none is left), or None when the tree
+    has no evictable leaf at all. ``randbelow(n)`` is uniform on ``range(n)``. For ``unit="leaf"``."""
+    n = leaves._unmarked
+    if n == 0:
+        if not leaves._nodes:
+            return None
+        phase.start_new()  # no unmarked leaf left: new phase, every leaf is a candidate
+        leaves.on_new_phase()
+        n = leaves._unmarked
+    return leaves._nodes[randbelow(n)]
 
 
 def draw_pages(rng: np.random.Generator, room: np.ndarray, quota: int) -> tuple[np.ndarray, int, int]:

@@ -14,21 +14,35 @@ from typing import Any
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
 POLICY_NAME = "rlt"
+UNITS = ("page", "leaf")  # what one RLT draw evicts
 
 
 class RLTStrategy(EvictionStrategy):
-    """Configuration of RLT: ``seed`` (same on every TP rank, so replicated trees pick the same victims)
-    and an optional ``capacity_tokens`` (the phase size k; default: the KV pool size)."""
+    """Configuration of RLT: ``seed`` (same on every TP rank, so replicated trees pick the same victims),
+    an optional ``capacity_tokens`` (the phase size k; default: the KV pool size) and ``unit``, what
+    one draw evicts:
 
-    def __init__(self, seed: int = 0, capacity_tokens: int | None = None) -> None:
+    - ``"page"`` (default): the drawn leaf's last page — seed 004's leaf-token draw exactly (a page is
+      one token at page_size 1). A call that frees n pages makes n draws, which spread over nearly every
+      unmarked leaf, so each call trims many leaves;
+    - ``"leaf"``: the whole drawn leaf (a uniformly random unmarked leaf *node*, evicted by SGLang's own
+      code as LRU evicts its victim). A radix node is split wherever accesses diverge, so its tokens
+      share their marks; a call touches about as many leaves as LRU's does, at the price of freeing a
+      whole leaf where page draws would nibble many.
+    """
+
+    def __init__(self, seed: int = 0, capacity_tokens: int | None = None, unit: str = "page") -> None:
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"rlt: seed must be a non-negative int, got {seed!r}")
         if capacity_tokens is not None and (
             not isinstance(capacity_tokens, int) or isinstance(capacity_tokens, bool) or capacity_tokens <= 0
         ):
             raise ValueError(f"rlt: capacity_tokens must be a positive int, got {capacity_tokens!r}")
+        if unit not in UNITS:
+            raise ValueError(f"rlt: unit must be one of {list(UNITS)}, got {unit!r}")
         self.seed = seed
         self.capacity_tokens = capacity_tokens
+        self.unit = unit
 
     def get_priority(self, node: Any) -> float:
         # Only read by tiers RLT leaves to SGLang (host tier of HiCache): LRU order there.

@@ -13,11 +13,19 @@ Any other policy builds SGLang's classes unchanged.
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any
 
 import numpy as np
 import torch
-from kvroute.engine_patches.sglang.rlt_core import UNMARKED, RLTLeafSet, RLTPhase, draw_pages, mark_path
+from kvroute.engine_patches.sglang.rlt_core import (
+    UNMARKED,
+    RLTLeafSet,
+    RLTPhase,
+    draw_leaf,
+    draw_pages,
+    mark_path,
+)
 from kvroute.engine_patches.sglang.strategy import POLICY_NAME, RLTStrategy, resolve_capacity
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_cache.components.full import FullComponent
@@ -52,6 +60,8 @@ class RLTUnifiedTreeCore(UnifiedTreeCore):
                 )
             self._rlt_phase = RLTPhase(resolve_capacity(strategy, self._rlt_allocator))
             self.rlt_rng = np.random.default_rng(strategy.seed)
+            self.rlt_unit = strategy.unit
+            self.rlt_randbelow = random.Random(strategy.seed).randrange
         else:
             self._rlt_phase.start_new()
         self.evictable_device_leaves = RLTLeafSet(self._rlt_phase, self.evictable_device_leaves)
@@ -152,6 +162,11 @@ class RLTFullComponentMixin:
     ) -> Any:
         core: RLTUnifiedTreeCore = self.tree_core
         leaves: RLTLeafSet = core.evictable_device_leaves
+        if core.rlt_unit == "leaf":  # a whole random unmarked leaf per victim, SGLang evicts it
+            if tracker[FULL] >= self._evict_device_request_cnt:
+                return None
+            node = draw_leaf(leaves, core.rlt_phase, core.rlt_randbelow)
+            return None if node is None else node.id
         page = core.page_size
         while True:
             if self._rlt_trims:

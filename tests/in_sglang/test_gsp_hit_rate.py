@@ -16,11 +16,14 @@ def gsp_rr() -> tuple[list, int]:
     return trace, pool
 
 
+@pytest.mark.parametrize("policy", ["rlt", "rlt-leaf"])  # rlt-leaf: unit="leaf", whole leaves per draw
 @pytest.mark.parametrize("kind", ["unified", "radix"])
-def test_rlt_triples_lru_hit_rate_on_gsp_rr(sglang_plugin: None, gsp_rr: tuple[list, int], kind: str) -> None:
+def test_rlt_triples_lru_hit_rate_on_gsp_rr(
+    sglang_plugin: None, gsp_rr: tuple[list, int], kind: str, policy: str
+) -> None:
     trace, pool = gsp_rr
     lru = replay(trace, kind, "lru", pool)
-    rlt = replay(trace, kind, "rlt", pool)
+    rlt = replay(trace, kind, policy, pool)
     print(f"{kind}: lru {lru.hit_rate:.2%} rlt {rlt.hit_rate:.2%} ({lru.seconds:.1f}s, {rlt.seconds:.1f}s)")
     assert lru.requests == rlt.requests == len(trace)
     assert rlt.hit_rate >= 3 * lru.hit_rate

@@ -69,17 +69,18 @@ OPS = st.lists(
 
 
 @pytest.mark.parametrize(
-    ("page_size", "kv_events"),
-    [(1, False), (4, False), (4, True)],  # KV events on: drawn pages are split off, not cut in place
+    ("policy", "page_size", "kv_events"),
+    # KV events on: drawn pages are split off, not cut in place; rlt-leaf: unit="leaf"
+    [("rlt", 1, False), ("rlt", 4, False), ("rlt", 4, True), ("rlt-leaf", 1, False), ("rlt-leaf", 4, True)],
 )
 @pytest.mark.parametrize("kind", KINDS)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=OPS, seed=st.integers(0, 2**16))
 def test_rlt_tree_invariants_under_random_operations(
-    sglang_plugin: None, kind: str, page_size: int, kv_events: bool, ops: list, seed: int
+    sglang_plugin: None, kind: str, policy: str, page_size: int, kv_events: bool, ops: list, seed: int
 ) -> None:
     cache, allocator = build_cache(
-        kind, "rlt", POOL, page_size, seed=seed, capacity_tokens=POOL, kv_events=kv_events
+        kind, policy, POOL, page_size, seed=seed, capacity_tokens=POOL, kv_events=kv_events
     )
     assert getattr(cache, "kvroute_rlt", False)
     driver = TreeDriver(cache, allocator, kind)
@@ -95,7 +96,10 @@ def test_rlt_tree_invariants_under_random_operations(
             evictable = _evictable(driver)
             freed = _evict(cache, a)
             want = -(-a // page_size) * page_size
-            assert freed == min(want, evictable), "rlt frees exactly the pages asked (token/page exact)"
+            if policy == "rlt":
+                assert freed == min(want, evictable), "rlt frees exactly the pages asked (token/page exact)"
+            else:  # whole leaves: at least what was asked (or everything evictable)
+                assert min(a, evictable) <= freed <= evictable
         check_invariants(driver)
     while driver.held:
         driver.release()
@@ -148,6 +152,33 @@ def test_rlt_evicts_a_random_unmarked_leaf_page_by_page(
     assert trimmed["B"] > 0 and trimmed["C"] > 0, trimmed
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_rlt_leaf_unit_evicts_one_random_unmarked_leaf_whole(sglang_plugin: None, kind: str) -> None:
+    """unit="leaf": with A marked (the phase is one request long) and B, C unmarked, a one-token eviction
+    removes all of B or all of C — whole leaves, never A — and both get chosen across seeds."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    pages = 8
+    chosen = {"B": 0, "C": 0}
+    for seed in range(16):
+        cache, allocator = build_cache(kind, "rlt-leaf", 256, 1, seed=seed, capacity_tokens=pages)
+        driver = TreeDriver(cache, allocator, kind)
+        seqs = {name: _seq(i + 1, pages, 1) for i, name in enumerate("ABC")}
+        for seq in seqs.values():
+            driver.serve(seq)
+        driver.serve(seqs["A"])  # A is the only marked path now
+        assert _evict(cache, 1) == pages  # one whole leaf
+        hits = {
+            name: int(cache.match_prefix(MatchPrefixParams(key=driver._key(seq))).device_prefix_len)
+            for name, seq in seqs.items()
+        }
+        assert hits["A"] == pages
+        assert sorted((hits["B"], hits["C"])) == [0, pages]
+        chosen["B" if hits["B"] == 0 else "C"] += 1
+        check_invariants_pool(driver, 256)
+    assert chosen["B"] > 0 and chosen["C"] > 0, chosen
+
+
 def check_invariants_pool(driver: TreeDriver, pool: int) -> None:
     cache = driver.cache
     if driver.kind == "unified":
@@ -193,6 +224,10 @@ def test_bad_rlt_config_is_a_clear_error(sglang_plugin: None) -> None:
         get_eviction_strategy("rlt", {"seed": -1})
     with pytest.raises(ValueError, match="capacity_tokens"):
         get_eviction_strategy("rlt", {"capacity_tokens": 0})
+    with pytest.raises(ValueError, match="unit"):
+        get_eviction_strategy("rlt", {"unit": "token"})
+    assert get_eviction_strategy("rlt", {"unit": "leaf"}).unit == "leaf"
+    assert get_eviction_strategy("rlt", None).unit == "page"
     with pytest.raises(TypeError):
         get_eviction_strategy("rlt", {"no_such_option": 1})
 
