@@ -113,7 +113,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
     labels = [f"{r.get('engine')}\n{r.get('kind', r.get('tree', ''))}\n{r.get('policy')}" for r in rows]
     fig, (ax_us, ax_hit) = plt.subplots(1, 2, figsize=(max(6, 1.4 * len(rows)) * 2, 4))
-    colors = ["tab:red" if r.get("policy") == "rlt" else "tab:gray" for r in rows]
+    colors = [
+        {"rlt": "tab:red", "rlt-leaf": "tab:orange"}.get(str(r.get("policy")), "tab:gray") for r in rows
+    ]
     # CPU time when the engine reports it: wall time on a shared machine includes time preempted
     cpu = all("evict_cpu_us_mean" in r for r in rows)
     key = "evict_cpu_us_mean" if cpu else "evict_us_mean"
