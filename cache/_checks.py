@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from numbers import Integral
 
-POLICIES = ("lru", "rlt", "opt")
+POLICIES = ("lru", "rlt", "rlt-leaf", "opt")
 
 
 def check_int(name: str, value: object, minimum: int) -> int:

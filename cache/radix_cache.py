@@ -1,4 +1,5 @@
-"""``RadixCache``: token radix tree with capacity, locks and eviction (``lru``, ``rlt``, ``opt``).
+"""``RadixCache``: token radix tree with capacity, locks and eviction (``lru``, ``rlt``, ``rlt-leaf``,
+``opt``).
 
 The tree and the policies are Cython (``kvroute.cython_ext.radix_cache``); this module checks the
 arguments and builds the future index ``opt`` needs. Semantics: DESIGN.md §2, docs/interfaces.md.
@@ -26,7 +27,9 @@ class RadixCache(RadixTree):
 
     Policies: ``lru`` evicts whole least-recently-touched leaves (SGLang); ``rlt`` evicts one page of a
     uniformly drawn unmarked unlocked leaf per draw (seed 004, Algorithm 1), seedable with ``seed``;
-    ``opt`` (Belady) needs the future and is built with :meth:`with_future`.
+    ``rlt-leaf`` is the same marking with whole-leaf draws (a draw evicts the drawn leaf node; SGLang's
+    ``unit="leaf"``), so like ``lru`` its ``evict`` may free more than asked; ``opt`` (Belady) needs
+    the future and is built with :meth:`with_future`.
     """
 
     def __init__(

@@ -1,6 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """Token radix tree with eviction policies ``lru`` (SGLang leaf-LRU), ``rlt`` (randomized leaf-token
-marking, seed 004 Algorithm 1) and ``opt`` (Belady, given the future trace).
+marking, seed 004 Algorithm 1), ``rlt-leaf`` (the same marking, but a draw evicts the whole drawn
+leaf node, as SGLang's ``unit="leaf"`` RLT does) and ``opt`` (Belady, given the future trace).
 
 Invariants (checked by ``_debug_check``):
 
@@ -11,8 +12,10 @@ Invariants (checked by ``_debug_check``):
 * The candidate structure holds exactly the unlocked leaves (``node.slot >= 0``):
   - ``lru``: an indexed min-heap on ``(last_access, node_id)``;
   - ``opt``: an indexed min-heap on ``(-next_use, node_id)`` (farthest next use on top);
-  - ``rlt``: an indexed array partitioned ``[unmarked | marked]``; ``slot < n_unmarked`` iff
-    ``node.phase != phase``. A phase reset is O(1): ``phase += 1; n_unmarked = n_leaves``.
+  - ``rlt`` and ``rlt-leaf``: an indexed array partitioned ``[unmarked | marked]``; ``slot <
+    n_unmarked`` iff ``node.phase != phase``. A phase reset is O(1): ``phase += 1; n_unmarked =
+    n_leaves``. ``rlt-leaf`` is ``rlt`` in every respect (marks, phases, k, candidates, RNG) except
+    what one draw evicts: the drawn leaf whole instead of its last page.
 * RLT marks per node. Touches (match and insert) always cover whole nodes, because a walk splits the
   node where it stops, and eviction only shortens a leaf from its end, so all tokens of a node always
   share one mark: per-node marking equals token-level marking. ``marked`` is the number of distinct
@@ -43,8 +46,9 @@ cdef enum:
     POLICY_LRU = 0
     POLICY_RLT = 1
     POLICY_OPT = 2
+    POLICY_RLT_LEAF = 3  # constructor code only: the tree runs it as POLICY_RLT with leaf_draws set
 
-POLICY_CODES = {"lru": POLICY_LRU, "rlt": POLICY_RLT, "opt": POLICY_OPT}
+POLICY_CODES = {"lru": POLICY_LRU, "rlt": POLICY_RLT, "opt": POLICY_OPT, "rlt-leaf": POLICY_RLT_LEAF}
 
 cdef Py_ssize_t _live_nodes = 0
 
@@ -252,6 +256,30 @@ cdef inline uint64_t _splitmix64(uint64_t* state) noexcept nogil:
     return z ^ (z >> 31)
 
 
+cdef inline Py_ssize_t _uniform_below(Rng* r, Py_ssize_t u) noexcept nogil:
+    """One exact-uniform draw in [0, u) (u >= 1) from the same stream and chunking as the block draws
+    (16-bit chunks for u <= 2**16, else the top 32 bits of a fresh output; Lemire's rejection)."""
+    cdef uint64_t x, m, bound = <uint64_t>u, thresh
+    if u <= 0x10000:
+        thresh = (0x10000ULL - bound) % bound
+        while True:
+            if r.nchunks == 0:
+                r.bits = _splitmix64(&r.state)
+                r.nchunks = 4
+            x = r.bits & 0xFFFFULL
+            r.bits >>= 16
+            r.nchunks -= 1
+            m = x * bound
+            if (m & 0xFFFFULL) >= thresh:
+                return <Py_ssize_t>(m >> 16)
+    thresh = (0x100000000ULL - bound) % bound
+    while True:
+        x = _splitmix64(&r.state) >> 32
+        m = x * bound
+        if (m & 0xFFFFFFFFULL) >= thresh:
+            return <Py_ssize_t>(m >> 32)
+
+
 cdef Py_ssize_t _count_draws_dense(Rng* r, Py_ssize_t u, const int64_t* rem, int64_t* cnt,
                                    Py_ssize_t todo, Py_ssize_t* emptied) noexcept nogil:
     """Like ``_count_draws`` with ``rem`` filled in and ``cnt`` zeroed for all ``u`` candidates up
@@ -351,6 +379,7 @@ cdef class RadixTree:
     cdef int64_t phase
     cdef Py_ssize_t marked
     cdef Node last_touched
+    cdef bint leaf_draws       # rlt-leaf: a draw evicts the whole drawn leaf
     cdef Rng rng
     cdef int64_t* rem          # rlt block draws: remaining pages and draws per candidate
     cdef int64_t* cnt
@@ -404,13 +433,14 @@ cdef class RadixTree:
 
     def __init__(self, Py_ssize_t capacity, Py_ssize_t page, int policy, object seed,
                  FutureIndex future=None):
-        if capacity < 0 or page < 1 or policy not in (POLICY_LRU, POLICY_RLT, POLICY_OPT):
+        if capacity < 0 or page < 1 or policy not in (POLICY_LRU, POLICY_RLT, POLICY_OPT, POLICY_RLT_LEAF):
             raise ValueError(f"RadixTree: bad capacity={capacity}, page={page} or policy={policy}")
         if policy == POLICY_OPT and future is None:
             raise ValueError("RadixTree: policy opt needs a FutureIndex")
         self.capacity = capacity
         self.page = page
-        self.pol = policy
+        self.leaf_draws = policy == POLICY_RLT_LEAF
+        self.pol = POLICY_RLT if self.leaf_draws else policy
         self.future = future
         self.n_future = len(future.paths) if future is not None else 0
         cdef uint64_t s
@@ -444,7 +474,7 @@ cdef class RadixTree:
 
     @property
     def policy(self) -> str:
-        return ("lru", "rlt", "opt")[self.pol]
+        return "rlt-leaf" if self.leaf_draws else ("lru", "rlt", "opt")[self.pol]
 
     # ------------------------------------------------------------------ token conversion
     cdef Py_ssize_t _load(self, object tokens) except -1:
@@ -748,6 +778,8 @@ cdef class RadixTree:
         the block ends at the draw that empties a leaf. This is the same process as drawing and
         evicting one page at a time, without touching a node per draw.
         """
+        if self.leaf_draws:
+            return self._evict_rlt_leaves(want)
         cdef Py_ssize_t p = self.page, todo = (want + p - 1) // p, done = 0, u, i, d, emptied, nt, k
         cdef bint last_path = False
         cdef Node gone
@@ -794,6 +826,33 @@ cdef class RadixTree:
         self.evictable -= done * p
         self.evicted_tokens += done * p
         return done * p
+
+    cdef Py_ssize_t _evict_rlt_leaves(self, Py_ssize_t want) except -1:
+        """rlt-leaf: evict whole uniformly drawn unmarked unlocked leaves until ``want`` tokens are
+        freed (it may free more, as lru does) or nothing is evictable. Phases as in ``_evict_rlt``:
+        no unmarked candidate left starts a new phase; if only the most recently accessed path is
+        left even then, its leaves are drawn too (an explicit evict frees what it can)."""
+        cdef Py_ssize_t freed = 0, u
+        cdef bint last_path = False
+        cdef Node n
+        while freed < want:
+            if self.n_unmarked == 0 and not last_path:
+                if self.n_arr == 0:
+                    break
+                self._new_phase()
+                last_path = self.n_unmarked == 0
+            u = self.n_arr if last_path else self.n_unmarked
+            if u == 0:
+                break
+            self.draw_blocks += 1
+            n = <Node>self.arr[_uniform_below(&self.rng, u)]
+            freed += n.length
+            self.evictable -= n.length
+            if n.phase == self.phase:  # last path only: a marked leaf leaves the marked count
+                self.marked -= n.length
+            self._remove_node(n)  # its parent may become a candidate
+        self.evicted_tokens += freed
+        return freed
 
     cdef int _reserve_counts(self, Py_ssize_t u) except -1:
         """Grow the per-candidate scratch arrays to ``u`` entries (``cnt`` stays all zeros)."""
@@ -856,7 +915,7 @@ cdef class RadixTree:
 
     def insert(self, tokens) -> int:
         """Store ``tokens`` (page aligned), evicting through the policy when full; returns new tokens stored."""
-        cdef Py_ssize_t n = self._load(tokens), pos = 0, new, free_tokens, need, j, e_old, ph
+        cdef Py_ssize_t n = self._load(tokens), pos = 0, new, free_tokens, need, j, e_old, ph, freed
         cdef Py_ssize_t cur = self.cursor, i
         cdef bint same
         cdef const int64_t[::1] expected
@@ -897,10 +956,11 @@ cdef class RadixTree:
                     j = (self.capacity - self.marked + self.page - 1) // self.page - 1
                     e_old = min(need // self.page, max(0, j - free_tokens // self.page))
                     ph = self.phase
-                    self._evict_rlt(e_old * self.page)
+                    freed = self._evict_rlt(e_old * self.page)
                     if j < new // self.page and ph == self.phase:
                         self._new_phase()
-                    self._evict_rlt(need - e_old * self.page)
+                    # page draws free exactly what is asked; leaf draws may free more: count it
+                    self._evict_rlt(need - max(freed, e_old * self.page))
                 else:
                     self._evict(need)
             finally:
@@ -980,8 +1040,8 @@ cdef class RadixTree:
     def evict(self, n_tokens) -> int:
         """Free at least ``n_tokens`` tokens from unlocked leaves if possible; returns tokens freed.
 
-        rlt and opt free whole pages (so up to page_size - 1 more than asked); lru frees whole leaf
-        nodes, as SGLang does, so it may free more.
+        rlt and opt free whole pages (so up to page_size - 1 more than asked); lru and rlt-leaf free
+        whole leaf nodes, as SGLang does, so they may free more.
         """
         if type(n_tokens) is not int:  # fast path first: isinstance against an ABC is slow
             if isinstance(n_tokens, bool) or not isinstance(n_tokens, Integral):
@@ -992,7 +1052,7 @@ cdef class RadixTree:
         cdef Py_ssize_t want = self.capacity + self.page
         if n_tokens < want:
             want = n_tokens
-        if self.pol == POLICY_LRU:
+        if self.pol == POLICY_LRU or self.leaf_draws:
             return self._evict(want)
         return self._evict((want + self.page - 1) // self.page * self.page)
 

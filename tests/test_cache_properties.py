@@ -81,7 +81,7 @@ def _run_ops(cache, ops, page: int) -> None:
 
 @SETTINGS
 @given(
-    policy=st.sampled_from(["lru", "rlt", "lru-py"]),
+    policy=st.sampled_from(["lru", "rlt", "rlt-leaf", "lru-py"]),
     capacity=st.integers(0, 40),
     page=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**32),
@@ -182,6 +182,57 @@ def test_rlt_never_evicts_a_marked_token_while_an_unmarked_candidate_exists(
         cache._debug_check()
 
 
+@SETTINGS
+@given(
+    capacity=st.integers(4, 60),
+    page=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**32),
+    ops=ops_st,
+)
+def test_rlt_leaf_draws_whole_unmarked_leaves(capacity, page, seed, ops) -> None:
+    """rlt-leaf: a draw takes one whole unlocked leaf, unmarked unless no unmarked one is left (then a
+    new phase starts); a bulk evict frees at least what was asked when that much is evictable, and
+    leaves marked leaves intact unless a phase turned over."""
+    cache = RadixCache(capacity, page_size=page, policy="rlt-leaf", seed=seed)
+    held = []
+    for op, arg in ops:
+        if op in ("insert", "match"):
+            (cache.insert if op == "insert" else cache.match_prefix)(arg)
+        elif op == "lock":
+            _, node = cache.match_prefix(arg)
+            cache.lock(node)
+            held.append(node)
+        elif op == "unlock" and held:
+            cache.unlock(held.pop(arg % len(held)))
+        elif op == "evict" and arg % 2:  # one bulk eviction
+            leaves, _ = _marked_leaves(cache)
+            phases, evictable = cache.phases, cache.evictable_size
+            freed = cache.evict(arg)
+            assert freed >= min(arg, evictable) and cache.evictable_size == evictable - freed
+            after = {nid: length for nid, _, length, lock, leaf, _ in cache._nodes() if leaf and not lock}
+            for nid, (length, marked) in leaves.items():
+                assert after.get(nid, length) == length  # a leaf goes whole or stays whole
+                if marked and cache.phases == phases:
+                    assert nid in after
+        elif op == "evict":
+            leaves, unmarked_exists = _marked_leaves(cache)
+            phases = cache.phases
+            freed = cache.evict(1)
+            if freed == 0:
+                assert not leaves
+                continue
+            after = {nid: length for nid, _, length, lock, leaf, _ in cache._nodes() if leaf and not lock}
+            gone = [nid for nid in leaves if nid not in after]
+            assert len(gone) == 1 and freed == leaves[gone[0]][0]  # exactly one leaf, whole
+            assert all(after[nid] == length for nid, (length, _) in leaves.items() if nid in after)
+            if unmarked_exists:
+                assert not leaves[gone[0]][1], "drew a marked leaf while an unmarked candidate existed"
+                assert cache.phases == phases
+            else:
+                assert cache.phases == phases + 1
+        cache._debug_check()
+
+
 @settings(max_examples=max(40, EXAMPLES * 2 // 3), deadline=None)
 @given(
     capacity=st.integers(4, 30),
@@ -203,6 +254,7 @@ def test_opt_never_scores_fewer_hits_than_lru_or_rlt(capacity: int, page: int, t
     assert best >= hits(LruPyCache(capacity, page_size=page))
     for seed in range(3):
         assert best >= hits(RadixCache(capacity, page_size=page, policy="rlt", seed=seed))
+        assert best >= hits(RadixCache(capacity, page_size=page, policy="rlt-leaf", seed=seed))
 
 
 def test_opt_beats_online_policies_on_a_structured_trace() -> None:
@@ -213,7 +265,7 @@ def test_opt_beats_online_policies_on_a_structured_trace() -> None:
         rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 20))] for _ in range(600)
     ]
     results = {}
-    for name in ("opt", "lru", "rlt"):
+    for name in ("opt", "lru", "rlt", "rlt-leaf"):
         cache = RadixCache.with_future(300, trace) if name == "opt" else RadixCache(300, policy=name, seed=0)
         total = 0
         for seq in trace:
@@ -221,5 +273,5 @@ def test_opt_beats_online_policies_on_a_structured_trace() -> None:
             cache.insert(seq)
         cache._debug_check()
         results[name] = total
-    assert results["opt"] >= results["lru"] and results["opt"] >= results["rlt"]
+    assert results["opt"] >= max(results["lru"], results["rlt"], results["rlt-leaf"])
     assert results["opt"] > 0

@@ -15,7 +15,7 @@ def make(policy: str, capacity: int, page_size: int = 1, seed: int = 0):
     return RadixCache(capacity, page_size=page_size, policy=policy, seed=seed)
 
 
-ONLINE = ["lru", "rlt", "lru-py"]
+ONLINE = ["lru", "rlt", "rlt-leaf", "lru-py"]
 
 
 # ---------------------------------------------------------------------------------------- tree basics
@@ -181,6 +181,64 @@ def test_rlt_insert_evicts_and_seed_reproduces() -> None:
     assert run(1) != run(2)
 
 
+def test_rlt_leaf_draws_only_unmarked_leaves_and_takes_them_whole() -> None:
+    c = RadixCache(100, policy="rlt-leaf", seed=5)
+    assert c.policy == "rlt-leaf"
+    c.insert([9, 9])
+    c.insert([9, 9, 1, 1, 1, 1])
+    c.insert([9, 9, 2, 2])
+    c.insert([3, 3, 3])
+    # all is marked: a new phase keeps only [3, 3, 3] marked; candidates [1]*4 and [2]*2, drawn whole
+    freed = c.evict(1)
+    assert c.phases == 1 and c._peek([3, 3, 3]) == 3
+    kept = [c._peek([9, 9, 1, 1, 1, 1]), c._peek([9, 9, 2, 2])]
+    c._debug_check()
+    if freed == 2:  # [2, 2] went whole, [1]*4 is the last unmarked leaf
+        assert kept == [6, 2] and c.evict(1) == 4 and c._peek([9, 9, 1, 1, 1, 1]) == 2
+    else:  # [1]*4 went whole
+        assert (freed, kept) == (4, [2, 4]) and c.evict(1) == 2 and c._peek([9, 9, 2, 2]) == 2
+    assert c.phases == 1 and c._peek([3, 3, 3]) == 3  # the marked leaf was never drawn
+    # now the shared parent [9, 9] is an unmarked leaf: the only candidate besides marked [3, 3, 3]
+    assert c.n_candidates == 1 and c.evict(1) == 2 and c._peek([9, 9]) == 0
+    assert (c.phases, c.total_size) == (1, 3)
+    # nothing unmarked is left: a new phase; only the last path is left, so an explicit evict takes it
+    assert c.evict(1) == 3 and c.total_size == 0 and c.phases == 2
+    assert c.evict(5) == 0
+    c._debug_check()
+
+
+def test_rlt_leaf_evict_frees_whole_leaves_until_enough() -> None:
+    c = RadixCache(100, page_size=2, policy="rlt-leaf", seed=0)
+    for t in range(6):
+        c.insert([t] * 6)
+    c.match_prefix([0] * 6)  # last path: leaf 0 stays marked after the phase turns over
+    assert c.evict(7) == 12  # two whole 6-token leaves: at least 7, whole leaves only
+    assert c.evict(0) == 0 and c.total_size == 24 and c._peek([0] * 6) == 6
+    c._debug_check()
+
+
+def test_rlt_leaf_both_candidates_get_drawn_across_seeds() -> None:
+    first_gone = []
+    for seed in range(40):
+        c = RadixCache(100, policy="rlt-leaf", seed=seed)
+        c.insert([1, 1, 1])
+        c.insert([2, 2, 2])
+        c.insert([3, 3, 3])  # last accessed: stays marked in the new phase
+        assert c.evict(1) == 3
+        first_gone.append(1 if c._peek([1, 1, 1]) == 0 else 2)
+        assert c._peek([3, 3, 3]) == 3
+    assert first_gone.count(1) >= 5 and first_gone.count(2) >= 5
+    # the seed reproduces its draws
+    again = []
+    for seed in range(40):
+        c = RadixCache(100, policy="rlt-leaf", seed=seed)
+        for t in (1, 2, 3):
+            c.insert([t] * 3)
+        c.evict(1)
+        again.append(1 if c._peek([1, 1, 1]) == 0 else 2)
+    assert again == first_gone
+
+
 def test_opt_evicts_farthest_next_use_and_checks_trace() -> None:
     trace = [[1, 1, 1], [2, 2, 2], [3, 3, 3], [1, 1, 1], [2, 2, 2]]
     c = RadixCache.with_future(6, trace)
@@ -237,7 +295,8 @@ def test_lru_py_makes_the_same_decisions_as_cython_lru(page_size: int) -> None:
         ({"capacity_tokens": 1.5}, TypeError, "capacity_tokens"),
         ({"capacity_tokens": True}, TypeError, "capacity_tokens"),
         ({"capacity_tokens": 10, "page_size": 0}, ValueError, "page_size"),
-        ({"capacity_tokens": 10, "policy": "fifo"}, ValueError, "unknown policy 'fifo'"),
+        ({"capacity_tokens": 10, "policy": "fifo"}, ValueError, "unknown policy 'fifo'.*rlt-leaf"),
+        ({"capacity_tokens": 10, "policy": "RLT-leaf"}, ValueError, "unknown policy 'RLT-leaf'"),
         ({"capacity_tokens": 10, "policy": 3}, TypeError, "policy"),
         ({"capacity_tokens": 10, "policy": "opt"}, ValueError, "with_future"),
         ({"capacity_tokens": 10, "seed": "x"}, TypeError, "seed"),
@@ -304,6 +363,7 @@ def test_with_future_rejects_bad_trace() -> None:
 def test_read_only_attributes() -> None:
     c = RadixCache(10, page_size=2, policy="rlt")
     assert (c.capacity_tokens, c.page_size, c.policy) == (10, 2, "rlt")
+    assert RadixCache(10, policy="rlt-leaf").policy == "rlt-leaf"
     with pytest.raises(AttributeError):
         c.capacity_tokens = 5
 
@@ -319,6 +379,7 @@ def test_trees_are_freed_without_the_cyclic_gc() -> None:
     for make_one in (
         lambda: RadixCache(120, policy="lru"),
         lambda: RadixCache(120, policy="rlt", seed=1),
+        lambda: RadixCache(120, policy="rlt-leaf", seed=1),
         lambda: RadixCache.with_future(120, trace),
     ):
         cache = make_one()
@@ -349,3 +410,19 @@ def test_rlt_phase_turning_over_inside_an_insert_keeps_only_the_new_path() -> No
         touched_third += c.match_prefix([3] * 3)[0] < 3
         c._debug_check()
     assert touched_third > 0  # the previous request's leaf is a candidate again in the new phase
+
+
+def test_rlt_leaf_phase_turning_over_inside_an_insert_draws_whole_leaves() -> None:
+    """As for rlt, the first new token of [4]*3 is the 10th distinct one: it starts the new phase and
+    the room is made from the earlier leaves, now unmarked, but whole ones (3 tokens for 2 asked)."""
+    gone = set()
+    for seed in range(30):
+        c = RadixCache(10, policy="rlt-leaf", seed=seed)
+        for t in (1, 2, 3):
+            c.insert([t] * 3)
+        assert c.insert([4] * 3) == 3
+        assert (c.phases, c.marked_tokens, c.total_size) == (1, 3, 9)
+        gone |= {t for t in (1, 2, 3) if c._peek([t] * 3) == 0}
+        assert sum(c._peek([t] * 3) for t in (1, 2, 3)) == 6
+        c._debug_check()
+    assert gone == {1, 2, 3}  # the previous request's leaf is a candidate again in the new phase

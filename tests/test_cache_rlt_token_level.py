@@ -77,9 +77,14 @@ ops = st.lists(
 
 
 @settings(max_examples=max(60, EXAMPLES), deadline=None)
-@given(capacity=st.integers(20, 45), seed=st.integers(0, 2**32), ops=ops)
-def test_per_node_marks_equal_token_level_marks(capacity: int, seed: int, ops) -> None:
-    cache = RadixCache(capacity, policy="rlt", seed=seed)
+@given(
+    policy=st.sampled_from(["rlt", "rlt-leaf"]),  # same marking; rlt-leaf's draws take whole leaves
+    capacity=st.integers(20, 45),
+    seed=st.integers(0, 2**32),
+    ops=ops,
+)
+def test_per_node_marks_equal_token_level_marks(policy: str, capacity: int, seed: int, ops) -> None:
+    cache = RadixCache(capacity, policy=policy, seed=seed)
     ref = TokenLevelMarks(capacity)
 
     def evict(n: int) -> None:

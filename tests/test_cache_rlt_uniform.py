@@ -1,4 +1,5 @@
-"""RLT's draws are uniform over the unmarked unlocked leaves (chi-square, fixed seeds)."""
+"""RLT's draws (rlt: pages, rlt-leaf: whole leaves) are uniform over the unmarked unlocked leaves
+(chi-square, fixed seeds)."""
 
 from __future__ import annotations
 
@@ -41,4 +42,37 @@ def test_rlt_single_page_draws_on_a_wide_tree_are_uniform() -> None:
     taken = [100 - cache._peek([i // 256, i % 256] + [7] * 98) for i in range(leaves)]
     assert taken[-1] == 0 and sum(taken) == candidates * per_leaf
     assert chisquare(taken[:-1]).pvalue > 0.001
+    cache._debug_check()
+
+
+def test_rlt_leaf_draws_are_uniform_over_candidate_leaves() -> None:
+    """rlt-leaf: the first draw after the phase turns over picks each unmarked leaf equally often."""
+    leaves, seeds = 13, 1300
+    taken = [0] * leaves
+    for seed in range(seeds):
+        cache = RadixCache(1000, policy="rlt-leaf", seed=seed)
+        for i in range(leaves):
+            cache.insert([5, i, i])
+        assert cache.evict(1) == 2  # one whole leaf [i, i] under the shared [5]
+        gone = [i for i in range(leaves) if cache._peek([5, i, i]) == 1]
+        assert len(gone) == 1
+        taken[gone[0]] += 1
+    assert taken[-1] == 0  # the most recently accessed leaf stays marked
+    assert chisquare(taken[:-1]).pvalue > 0.001, taken
+
+
+def test_rlt_leaf_draws_on_a_tree_over_65536_leaves_are_uniform() -> None:
+    """Past 2**16 candidates a draw uses 32 random bits: the drawn leaves still spread evenly."""
+    leaves, draws, bins = 70_001, 7_000, 10
+    cache = RadixCache(10_000_000, policy="rlt-leaf", seed=4)
+    for i in range(leaves):
+        cache.insert([i])
+    assert cache.evict(draws) == draws  # one-token leaves: one draw per token
+    assert cache.phases == 1 and cache._peek([leaves - 1]) == 1
+    per_bin = [0] * bins
+    for i in range(leaves - 1):
+        if cache._peek([i]) == 0:
+            per_bin[i * bins // (leaves - 1)] += 1
+    assert sum(per_bin) == draws
+    assert chisquare(per_bin).pvalue > 0.001, per_bin
     cache._debug_check()
