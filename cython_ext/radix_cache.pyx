@@ -74,6 +74,7 @@ cdef class FNode:
         self.reqs = []
 
 
+@cython.no_gc_clear  # __dealloc__ walks self.root: the cyclic GC must not clear it first
 cdef class FutureIndex:
     """Radix trie over the whole future trace; ``next_use(fnode, t)`` is the first request >= t using it."""
 
@@ -361,6 +362,8 @@ cdef Py_ssize_t _count_draws(Rng* r, PyObject** arr, Py_ssize_t u, Py_ssize_t pa
     return d
 
 
+@cython.no_gc_clear  # __dealloc__ walks self.root; a cache freed by the cyclic GC (e.g. held in a
+# reference cycle) had its root cleared to None first, and the walk then read a node field of None
 cdef class RadixTree:
     """Cython core of ``kvroute.cache.RadixCache``; argument checking lives in the Python subclass."""
 

@@ -396,6 +396,34 @@ def test_trees_are_freed_without_the_cyclic_gc() -> None:
         assert live_nodes() == base
 
 
+def test_a_cache_in_a_reference_cycle_is_freed_by_the_gc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache the cyclic GC frees (here it refers to itself; a failed test's traceback does the same)
+    frees its nodes without touching a cleared root (that read a field of None and crashed)."""
+    import gc
+    import sys
+
+    from kvroute.cython_ext.radix_cache import live_nodes
+
+    ignored: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(u.exc_value))
+    trace = [[i % 3, i, i + 1, i + 2] for i in range(30)]
+    base = live_nodes()
+    for make_one in (
+        lambda: RadixCache(60, policy="lru"),
+        lambda: RadixCache(60, policy="rlt", seed=1),
+        lambda: RadixCache(60, policy="rlt-leaf", seed=1),
+        lambda: RadixCache.with_future(60, trace),
+    ):
+        cache = make_one()
+        for seq in trace:
+            cache.insert(seq)
+        cache.me = cache
+        del cache
+        gc.collect()
+        assert live_nodes() == base
+    assert ignored == []
+
+
 def test_rlt_phase_turning_over_inside_an_insert_keeps_only_the_new_path() -> None:
     """Algorithm 1 marks each new token before evicting for it: the 10th distinct token (the first
     new one here) starts a new phase in which the earlier leaves are all unmarked candidates."""
