@@ -1,8 +1,9 @@
 """``kvroute compare``: simulate a routing-policy x eviction-policy matrix over workloads.
 
 Defaults follow seed 004 (Appendix A): policies random, round_robin, cache_aware, lbgr; evictions lru,
-rlt; workloads gsp, multiturn, longdoc; 4 workers, 12 req/s, 4 output tokens, a 200k-token KV pool per
-worker, the ``l40-llama3.1-8b`` cost model. ``--rates 8,12,16`` sweeps the request rate (and plots TTFT
+rlt (``rlt-leaf`` on request: RLT's marking, a draw evicts a whole leaf); workloads gsp, multiturn,
+longdoc; 4 workers, 12 req/s, 4 output tokens, a 200k-token KV pool per worker, the
+``l40-llama3.1-8b`` cost model. ``--rates 8,12,16`` sweeps the request rate (and plots TTFT
 against it). Example::
 
     kvroute compare --workloads gsp --policies cache_aware,cache_aware:preset=sglang-0.1.4,lbgr \\
@@ -28,6 +29,7 @@ from kvroute.bench.sim_cli import (
     run_one,
     split_list,
 )
+from kvroute.sim.engine import EVICTIONS
 
 DEFAULT_POLICIES = "random,round_robin,cache_aware,lbgr"
 DEFAULT_EVICTIONS = "lru,rlt"
@@ -70,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         workloads = split_list(args.workloads, "--workloads")
         policies = [parse_policy(p) for p in split_list(args.policies, "--policies")]
         evictions = split_list(args.evictions, "--evictions")
-        bad = [e for e in evictions if e not in ("lru", "rlt")]
+        bad = [e for e in evictions if e not in EVICTIONS]
         if bad:
-            raise UsageError(f"unknown eviction policy {bad[0]!r}; choose from lru, rlt")
+            raise UsageError(f"unknown eviction policy {bad[0]!r}; choose from {', '.join(EVICTIONS)}")
         rates = _rates(args)
         options = parse_options(args.option, "--option")
         check_workload_options(workloads, options)

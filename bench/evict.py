@@ -10,7 +10,9 @@ evicted tokens, ns per evicted token, requests/s), or ``--json``; ``--plot`` dra
 
 Reading the costs: ``lru`` frees a whole leaf (hundreds to thousands of tokens on GSP) per heap pop,
 ``rlt`` makes one uniform draw per evicted token (Algorithm 1), so per evicted token lru is cheaper
-by construction; ``us/evict call`` shows the cost per call as the paper reported it. ``lru-py``
+by construction; ``rlt-leaf`` keeps RLT's marks and phases but a draw takes a whole random unmarked
+leaf, so like lru it removes whole leaves per call. ``us/evict call`` shows the cost per call as the
+paper reported it. ``lru-py``
 follows SGLang 0.4.6's Python ``evict`` (collect every leaf, heapify, pop) minus the KV-pool free, so
 it is if anything faster than SGLang's own. The Cython caches get int64 arrays, ``lru-py`` lists.
 """
@@ -33,7 +35,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-POLICIES = ("lru", "rlt", "opt", "lru-py")
+POLICIES = ("lru", "rlt", "rlt-leaf", "opt", "lru-py")
 TRACES = {"gsp-rr": ("round_robin", 190_000), "gsp-random": ("random", 200_000)}
 SWEEP_DEFAULT = (150_000, 210_000, 5_000)
 
@@ -470,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=POLICIES,
         default=None,
-        help="default: all; with --sweep lru rlt opt (lru-py decides exactly as lru, only slower)",
+        help="default: all; with --sweep lru rlt rlt-leaf opt (lru-py decides exactly as lru, only slower)",
     )
     parser.add_argument("--capacity", type=_positive, default=None, help="cache size in tokens")
     parser.add_argument(
@@ -522,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         parser.error(f"--plot needs a .png file name, got {args.plot!r}")
     if args.policies is None:
-        args.policies = ["lru", "rlt", "opt"] if args.sweep else list(POLICIES)
+        args.policies = ["lru", "rlt", "rlt-leaf", "opt"] if args.sweep else list(POLICIES)
     console = Console(stderr=True)
     if args.latency:
         lat = run_latency(args, console)

@@ -30,7 +30,7 @@ from kvroute.cache import RadixCache
 from kvroute.sim.cost_model import CostModel, get_preset
 from kvroute.sim.tokenizer import simulated_output
 
-EVICTIONS = ("lru", "rlt")
+EVICTIONS = ("lru", "rlt", "rlt-leaf")  # RadixCache policies an engine can run (opt needs the future)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from aiohttp import web
 from kvroute.router.http_validate import ParsedRequest, RequestError, parse_request
 from kvroute.sim import tokenizer
 from kvroute.sim.cost_model import PRESETS
-from kvroute.sim.engine import EngineModel, StepResult
+from kvroute.sim.engine import EVICTIONS, EngineModel, StepResult
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 log = logging.getLogger("kvroute.sim.server")
@@ -551,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30001)
     p.add_argument("--preset", default="l40-llama3.1-8b", help=f"cost model preset: {', '.join(PRESETS)}")
-    p.add_argument("--eviction", default="lru", choices=["lru", "rlt"])
+    p.add_argument("--eviction", default="lru", choices=list(EVICTIONS))
     p.add_argument("--kv-tokens", type=int, default=200_000, help="KV pool size in tokens")
     p.add_argument(
         "--context-length", type=int, default=None, help="max prompt + output tokens (default: pool)"

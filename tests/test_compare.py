@@ -101,6 +101,15 @@ def test_compare_json_to_stdout_is_pure_json(capsys) -> None:
     assert len(rows) == 1 and rows[0]["workload"] == "multiturn" and rows[0]["policy"] == "lbgr"
 
 
+def test_compare_runs_rlt_leaf(capsys) -> None:
+    code = kvroute(["compare", "--workloads", "gsp", "--policies", "cache_aware", "--evictions", "rlt,rlt-leaf",
+                    "--workers", "2", "--kv-capacity", "1000", "--json", "-", *TINY_GSP])  # fmt: skip
+    assert code == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["eviction"] for r in rows] == ["rlt", "rlt-leaf"]
+    assert all(r["p50_ttft_ms"] > 0 and 0 <= r["hit_rate"] < 1 for r in rows)
+
+
 def test_sim_cli_one_run_with_records(tmp_path, capsys) -> None:
     records = tmp_path / "records.csv"
     code = kvroute(["sim", "--workload", "gsp", "--policy", "cache_aware", "--eviction", "lru", "--workers", "2",
@@ -119,6 +128,7 @@ def test_sim_cli_one_run_with_records(tmp_path, capsys) -> None:
         (["--policies", "telepathy"], "unknown policy"),
         (["--policies", "cache_aware:preset=sglang-9"], "preset"),
         (["--evictions", "fifo"], "unknown eviction"),
+        (["--evictions", "lru,rlt_leaf"], "choose from lru, rlt, rlt-leaf"),
         (["--rates", "8,fast"], "--rates"),
         (["--rates", "0"], "rates must be > 0"),
         (["--workers", "0"], "--workers"),

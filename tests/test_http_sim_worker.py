@@ -218,7 +218,13 @@ def test_models_and_model_info_and_cli_errors() -> None:
         make_worker("no-such-preset", "lru", 1000)
     with pytest.raises(ValueError):
         make_worker("l40-llama3.1-8b", "fifo", 1000)
-    from kvroute.sim.server import main
+    from kvroute.sim.server import build_parser, main
 
+    args = build_parser().parse_args(["--eviction", "rlt-leaf"])  # as `kvroute launch --engine sim` passes
+    worker = make_worker(args.preset, args.eviction, 1000)
+    assert worker.engine.eviction == worker.engine.cache.policy == "rlt-leaf"
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["--eviction", "rlt_leaf"])
+    assert info.value.code == 2
     assert main(["--preset", "nope"]) == 2
     assert main(["--kv-tokens", "0"]) == 2

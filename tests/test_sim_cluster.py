@@ -45,7 +45,7 @@ def _engine_alone(workload, **engine_options) -> dict[str, tuple[float, float, i
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-@pytest.mark.parametrize("eviction", ["lru", "rlt"])
+@pytest.mark.parametrize("eviction", ["lru", "rlt", "rlt-leaf"])
 def test_one_worker_cluster_equals_that_worker_alone(policy: str, eviction: str) -> None:
     workload = make_workload("gsp", **SMALL_GSP)
     options = {"kv_capacity_tokens": 8000, "eviction": eviction, "max_running": 16, "chunk_budget": 2048}
