@@ -8,6 +8,7 @@ per bad field for the CLI (exit code 2).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -16,7 +17,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Engine = Literal["sim", "sglang", "vllm"]
-Eviction = Literal["lru", "rlt"]
+# rlt-leaf: RLT's marking with whole-leaf draws; SGLang only (--radix-eviction-policy rlt with the
+# policy config {"unit": "leaf"}), and the simulator
+Eviction = Literal["lru", "rlt", "rlt-leaf"]
+SGLANG_POLICY_CONFIG_FLAG = "--radix-eviction-policy-config"
 Device = Literal["auto", "cpu", "gpu"]
 
 
@@ -72,11 +76,57 @@ class ClusterConfig(BaseModel):
             raise ValueError("model: engine 'sim' takes no model; use --preset to choose its cost model")
         if self.preset and self.engine != "sim":
             raise ValueError("preset: only applies to engine 'sim'")
+        if self.eviction == "rlt-leaf" and self.engine == "vllm":
+            raise ValueError(
+                "eviction: rlt-leaf is SGLang-only (a draw evicts a whole radix leaf); vLLM's RLT draws "
+                "per block: use --eviction rlt with vllm"
+            )
+        if self.eviction == "rlt-leaf" and self.engine == "sglang":
+            _, user = split_sglang_policy_config(self.engine_args)  # raises on a malformed flag
+            if user is not None and user.get("unit", "leaf") != "leaf":
+                raise ValueError(
+                    f"engine_args: {SGLANG_POLICY_CONFIG_FLAG} sets unit={user['unit']!r}, but eviction "
+                    "rlt-leaf means unit 'leaf' (use --eviction rlt for page draws)"
+                )
         if self.bench is None and (
             self.bench_rate is not None or self.bench_num is not None or self.bench_args
         ):
             raise ValueError("bench: bench_rate, bench_num and bench_args need bench (a workload name)")
         return self
+
+
+def split_sglang_policy_config(engine_args: list[str]) -> tuple[list[str], dict[str, Any] | None]:
+    """``engine_args`` without SGLang's ``--radix-eviction-policy-config`` flags, and the JSON object the
+    last of them holds (SGLang's parser keeps the last one too), or None when there is none.
+
+    ValueError naming ``engine_args`` when the flag has no value, or its value is not a JSON object."""
+    rest: list[str] = []
+    value: str | None = None
+    i = 0
+    while i < len(engine_args):
+        arg = engine_args[i]
+        if arg == SGLANG_POLICY_CONFIG_FLAG:
+            if i + 1 >= len(engine_args):
+                raise ValueError(f"engine_args: {SGLANG_POLICY_CONFIG_FLAG} needs a JSON object after it")
+            value = engine_args[i + 1]
+            i += 2
+            continue
+        if arg.startswith(SGLANG_POLICY_CONFIG_FLAG + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    if value is None:
+        return rest, None
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"engine_args: {SGLANG_POLICY_CONFIG_FLAG} is not valid JSON ({exc.msg}): {value!r}"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"engine_args: {SGLANG_POLICY_CONFIG_FLAG} must be a JSON object, got {value!r}")
+    return rest, parsed
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

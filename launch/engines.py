@@ -7,6 +7,7 @@ its own venv (``.venv-sglang``, ``.venv-vllm``), as users run them; ``--engine-p
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute.launch.config import ClusterConfig
+from kvroute.launch.config import SGLANG_POLICY_CONFIG_FLAG, ClusterConfig, split_sglang_policy_config
 
 # the source tree (the folder holding launch/), where scripts/install_*_env.sh put the engine venvs
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +103,7 @@ def engine_command(
     if device == "cpu" and cfg.engine != "sim":
         pool = cores if cores else usable_cores()
         core = pool[index % len(pool)]
+    extra = list(cfg.engine_args)
 
     if cfg.engine == "sim":
         argv = [
@@ -132,8 +134,13 @@ def engine_command(
             "--port",
             str(port),
             "--radix-eviction-policy",
-            cfg.eviction,
+            "rlt" if cfg.eviction == "rlt-leaf" else cfg.eviction,
         ]
+        if cfg.eviction == "rlt-leaf":
+            # the plugin's rlt with unit=leaf; a policy config the user gave after -- is merged into
+            # the one flag (ClusterConfig already rejected a config asking for another unit)
+            extra, user = split_sglang_policy_config(extra)
+            argv += [SGLANG_POLICY_CONFIG_FLAG, json.dumps({**(user or {}), "unit": "leaf"})]
         if device == "cpu":
             argv += ["--device", "cpu"]
             env["SGLANG_CPU_OMP_THREADS_BIND"] = str(core)
@@ -154,4 +161,4 @@ def engine_command(
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     else:  # unreachable after validation; kept so a new engine name fails loudly
         raise ValueError(f"unknown engine {cfg.engine!r}")
-    return EngineCommand(argv=argv + list(cfg.engine_args), env=env, cpu_core=core)
+    return EngineCommand(argv=argv + extra, env=env, cpu_core=core)

@@ -75,6 +75,46 @@ def test_example_cluster_yaml_is_valid() -> None:
         ({"bench_rate": 3}, "bench"),  # a rate without a workload
         ({"cluster_name": "a b"}, "cluster_name"),
         ({"wrokers": 2}, "wrokers"),  # typo: unknown setting
+        ({"eviction": "rlt_leaf"}, "eviction"),
+        # rlt-leaf is SGLang's unit=leaf: vLLM's RLT draws per block
+        ({"engine": "vllm", "model": "m", "eviction": "rlt-leaf"}, "eviction"),
+        # a user policy config after -- that contradicts rlt-leaf, or that SGLang could not read
+        (
+            {
+                "engine": "sglang",
+                "model": "m",
+                "eviction": "rlt-leaf",
+                "engine_args": ["--radix-eviction-policy-config", '{"unit": "page"}'],
+            },
+            "engine_args",
+        ),
+        (
+            {
+                "engine": "sglang",
+                "model": "m",
+                "eviction": "rlt-leaf",
+                "engine_args": ["--radix-eviction-policy-config=[1]"],
+            },
+            "engine_args",
+        ),
+        (
+            {
+                "engine": "sglang",
+                "model": "m",
+                "eviction": "rlt-leaf",
+                "engine_args": ["--radix-eviction-policy-config", "{seed: 1}"],
+            },
+            "engine_args",
+        ),
+        (
+            {
+                "engine": "sglang",
+                "model": "m",
+                "eviction": "rlt-leaf",
+                "engine_args": ["--radix-eviction-policy-config"],
+            },
+            "engine_args",
+        ),
     ],
 )
 def test_invalid_value_names_field(values: dict, field: str) -> None:
@@ -93,6 +133,18 @@ def test_cli_invalid_value_exits_2_naming_field(tmp_path: Path, capsys: pytest.C
     with pytest.raises(SystemExit) as info:  # argparse: a non-integer
         launcher.main(["--workers", "four"])
     assert info.value.code == 2
+
+
+def test_rlt_leaf_choices_on_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.parse_config(["--eviction", "rlt-leaf"]).eviction == "rlt-leaf"
+    cfg = launcher.parse_config(["--engine", "sglang", "--model", "m", "--eviction", "rlt-leaf"])
+    assert (cfg.engine, cfg.eviction) == ("sglang", "rlt-leaf")
+    assert launcher.main(["--engine", "vllm", "--model", "m", "--eviction", "rlt-leaf"]) == 2
+    err = capsys.readouterr().err
+    assert "eviction: rlt-leaf is SGLang-only" in err and "--eviction rlt" in err
+    argv = ["--engine", "sglang", "--model", "m", "--eviction", "rlt-leaf", "--"]
+    assert launcher.main([*argv, "--radix-eviction-policy-config", '{"unit": "page"}']) == 2
+    assert "unit='page'" in capsys.readouterr().err
 
 
 def test_bad_config_files(tmp_path: Path) -> None:

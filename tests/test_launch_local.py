@@ -156,6 +156,45 @@ def test_engine_commands() -> None:
         engine_command(ClusterConfig(), 0, 0, device="cpu")
 
 
+def test_rlt_leaf_engine_commands() -> None:
+    """sglang: the plugin's rlt with unit=leaf (a policy config given after -- is merged into the one
+    flag); sim: the worker runs rlt-leaf itself."""
+    sim = engine_command(ClusterConfig(eviction="rlt-leaf"), 0, 9001, device="cpu")
+    assert sim.argv[sim.argv.index("--eviction") + 1] == "rlt-leaf"
+
+    def sglang(*engine_args: str) -> list[str]:
+        cfg = ClusterConfig(
+            engine="sglang",
+            model="/m",
+            eviction="rlt-leaf",
+            engine_python=sys.executable,
+            engine_args=list(engine_args),
+        )
+        return engine_command(cfg, 0, 9003, device="gpu", gpu="0").argv[1:]
+
+    head = ["-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port", "9003"]
+    policy = ["--radix-eviction-policy", "rlt", "--radix-eviction-policy-config"]
+    assert sglang() == [*head, *policy, '{"unit": "leaf"}']
+    assert sglang("--radix-eviction-policy-config", '{"seed": 3}', "--mem-fraction-static", "0.5") == [
+        *head,
+        *policy,
+        '{"seed": 3, "unit": "leaf"}',
+        "--mem-fraction-static",
+        "0.5",
+    ]
+    merged = sglang('--radix-eviction-policy-config={"seed": 1, "unit": "leaf", "capacity_tokens": 64}')
+    assert merged == [*head, *policy, '{"seed": 1, "unit": "leaf", "capacity_tokens": 64}']
+    assert (
+        engine_command(  # rlt stays page draws, the user's flags untouched
+            ClusterConfig(engine="sglang", model="/m", eviction="rlt", engine_python=sys.executable),
+            0,
+            9003,
+            device="gpu",
+        ).argv[-2:]
+        == ["--radix-eviction-policy", "rlt"]
+    )
+
+
 def test_one_gpu_per_worker_from_visible_devices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvroute.launch.local import LocalWorkers
 
