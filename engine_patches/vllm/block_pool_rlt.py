@@ -2,18 +2,21 @@
 
 Stock vLLM reuses the block at the head of its free queue: never-cached blocks first, then cached
 blocks in LRU order. With RLT installed, when the head is a cached block (a reuse means an eviction),
-the block reused is instead a uniformly random *unmarked leaf* cached block (``leaf_marking``); only when
-no leaf candidate exists at all does it fall back to vLLM's own LRU head.
+the block reused is instead a uniformly random *unmarked leaf* cached block; only when no leaf
+candidate exists at all does it fall back to vLLM's own LRU head. The bookkeeping (marks, phases,
+candidates, chain child counts, free holders) and the per-block loops are C code:
+``kvroute.cython_ext.leaf_marking``; this module only wires them into vLLM's methods.
 
 How it stays inside vLLM's own code (nothing of vLLM is copied here):
-- ``get_new_blocks``: choose the victims, evict each at once (vLLM's ``_maybe_evict_cached_block``: KV
-  events, metrics collector) so its parent may be the next leaf, move them to the head of vLLM's free
-  queue, then call vLLM's ``get_new_blocks``, which pops exactly them and does the ref counts, reuse
-  watchers and metrics as always.
+- ``get_new_blocks``: one C call (``take_victims``) draws the victims, forgetting each at once so its
+  parent may be the next leaf, and moves them to the head of vLLM's free queue through the queue's own
+  ``remove``/``prepend_n``; then vLLM's ``get_new_blocks`` pops exactly them and evicts them
+  (``_maybe_evict_cached_block``: KV events, metrics collector), with ref counts, reuse watchers and
+  metrics as always.
 - ``cache_full_blocks`` (after vLLM's): mark newly cached blocks, record each one's chain parent.
 - ``touch`` (before vLLM's): a hit marks the blocks; blocks leaving the free queue stop being candidates.
-- ``free_blocks`` / ``unpin_blocks`` (after vLLM's): blocks whose ref count dropped to 0 become
-  candidates when they are cached leaves.
+- ``free_blocks`` / ``unpin_blocks`` (after vLLM's): blocks whose ref count dropped to 0 become free
+  holders of their hash, and candidates when they are cached leaves.
 - ``_remove_cached_block_hashes`` (the one place this vLLM drops a block's hashes, reached from
   ``_maybe_evict_cached_block``, ``evict_blocks`` and hash replacement): forget the block; its parent
   may become a leaf. ``move_block_hashes`` carries the chain parent over; ``reset_prefix_cache`` resets.
@@ -29,7 +32,15 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from kvroute.engine_patches.vllm.leaf_marking import NO_PARENT, UNREGISTERED, LeafMarking
+from kvroute.cython_ext.leaf_marking import (
+    NO_PARENT,
+    UNREGISTERED,
+    LeafMarking,
+    maybe_free_cached,
+    on_free,
+    on_touch,
+    take_victims,
+)
 
 SEED_ENV = "KVROUTE_RLT_SEED"
 PATCHED_METHODS = (
@@ -73,46 +84,9 @@ def rlt_state(pool: Any) -> LeafMarking:
         for block in pool.blocks:
             if block.block_hash is not None and not block.is_null:
                 state.register_cached(block.block_id, None)
-                if block.ref_cnt == 0:
-                    state.add_candidate(block.block_id)
+                maybe_free_cached(state, pool, block)
     pool._kvroute_rlt = state
     return state
-
-
-def _blocks_with_key(pool: Any, key: bytes) -> tuple[Any, ...]:
-    # BlockHashToBlockMap stores one block or a {block_id: block} dict per key (vLLM does not dedup).
-    entry = pool.cached_block_hash_to_block._cache.get(key)
-    if entry is None:
-        return ()
-    if isinstance(entry, dict):
-        return tuple(entry.values())
-    return (entry,)
-
-
-def _maybe_candidate(pool: Any, state: LeafMarking, block: Any) -> None:
-    """Make ``block`` drawable when it is free, cached, ours and a leaf."""
-    key = block.block_hash
-    if (
-        key is not None
-        and block.ref_cnt == 0
-        and key not in state.children
-        and not block.is_null
-        and (block.pool is None or block.pool is pool)
-    ):
-        state.add_candidate(block.block_id)
-
-
-def _promote(pool: Any, state: LeafMarking, parent_key: bytes) -> None:
-    """``parent_key`` lost its last cached child: its free blocks are leaves now (see _maybe_candidate)."""
-    entry = pool.cached_block_hash_to_block._cache.get(parent_key)
-    if entry is None:
-        return
-    if isinstance(entry, dict):
-        for block in entry.values():
-            _maybe_candidate(pool, state, block)
-    elif entry.ref_cnt == 0 and entry.block_hash == parent_key and not entry.is_null:
-        # the common case, inlined: one block holds the key as its primary hash, and it is ours
-        state.add_candidate(entry.block_id)
 
 
 # ---- the wrappers (self is a vllm BlockPool) --------------------------------------------------------
@@ -126,38 +100,10 @@ def _init(self: Any, *args: Any, **kwargs: Any) -> None:
 def get_new_blocks(self: Any, num_blocks: int) -> list[Any]:
     if not self.enable_caching or num_blocks <= 0 or num_blocks > self.get_num_free_blocks():
         return _originals["get_new_blocks"](self, num_blocks)  # vLLM's own path (and its error)
-    state = rlt_state(self)
-    draw_victim, forget, add_candidate = state.draw_victim, state.forget_cached, state.add_candidate
-    queue = self.free_block_queue
-    fake_head = queue.fake_free_list_head
-    remove = queue.remove
-    pool_blocks = self.blocks
-    cache_get = self.cached_block_hash_to_block._cache.get
-    chosen = []
-    for _ in range(num_blocks):
-        block = fake_head.next_free_block  # a real block: num_blocks <= free blocks
-        if block.block_hash is not None:  # reusing the head would evict: RLT picks the victim
-            victim = draw_victim()
-            if victim is None:
-                # No leaf candidate at all (every free cached block has a cached child): vLLM's LRU head.
-                parent_key = forget(block.block_id)
-            else:
-                block_id, parent_key = victim
-                block = pool_blocks[block_id]
-            # The victim is forgotten now (vLLM evicts it below), so a parent left childless is the
-            # next leaf: the common case of _promote, inlined.
-            if parent_key is not None:
-                entry = cache_get(parent_key)
-                if entry is not None:
-                    if type(entry) is dict:
-                        _promote(self, state, parent_key)
-                    elif entry.ref_cnt == 0 and entry.block_hash == parent_key and not entry.is_null:
-                        add_candidate(entry.block_id)
-        remove(block)
-        chosen.append(block)
-    # vLLM's own get_new_blocks pops exactly these from the head and evicts them: KV events, metrics
-    # collector, reuse watchers and ref counts as always.
-    queue.prepend_n(chosen)
+    # One C call chooses the blocks (RLT victims where vLLM would evict its LRU head) and moves them to
+    # the head of vLLM's free queue; vLLM's own get_new_blocks below pops exactly them and evicts them:
+    # KV events, metrics collector, reuse watchers and ref counts as always.
+    take_victims(rlt_state(self), self, num_blocks)
     if self._reuse_watchers:  # watcher callbacks may reach other blocks: keep the bookkeeping wrapper
         return _originals["get_new_blocks"](self, num_blocks)
     # Every block vLLM evicts in there was forgotten above, so its evictions skip the bookkeeping
@@ -197,7 +143,6 @@ def cache_full_blocks(
     state = rlt_state(self)
     make_key = _vllm["make_block_hash_with_group_id"]
     hashes = _vllm["resolve_block_hashes"](request.block_hashes, self.hash_block_size, block_size)
-    cache_get = self.cached_block_hash_to_block._cache.get
     key = make_key(hashes[num_cached_blocks - 1], kv_cache_group_id) if num_cached_blocks > 0 else None
     # vLLM slices blocks[num_cached_blocks:num_full_blocks]: the list may be shorter than num_full_blocks
     for i in range(num_cached_blocks, min(num_full_blocks, len(blocks), len(hashes))):
@@ -207,24 +152,14 @@ def cache_full_blocks(
             continue  # null, or this content is cached under another block (vLLM does not dedup)
         if block_mask is not None and not block_mask[i - num_cached_blocks]:
             continue
-        if state.register_cached(block.block_id, parent_key) and parent_key is not None:
-            # The parent key just got its first cached child: its blocks are no longer leaves. Usually
-            # that is this request's own previous block, which is in use and so no candidate anyway.
-            entry = cache_get(parent_key)
-            if entry is not None and entry is not blocks[i - 1]:
-                for parent_block in entry.values() if isinstance(entry, dict) else (entry,):
-                    state.discard_candidate(parent_block.block_id)
+        # A parent key getting its first cached child stops being a leaf: its free holders stop being
+        # candidates (usually the parent is this request's own previous block, in use anyway).
+        state.register_cached(block.block_id, parent_key)
         state.mark(block.block_id)
 
 
 def touch(self: Any, blocks: Sequence[Any]) -> None:
-    state = rlt_state(self)
-    for block in blocks:
-        if block.block_hash is None:  # includes the null block
-            continue
-        if block.ref_cnt == 0:
-            state.discard_candidate(block.block_id)  # it leaves the free queue
-        state.mark(block.block_id)
+    on_touch(rlt_state(self), blocks)  # hits mark; free blocks leave the candidates (and vLLM's queue)
     _originals["touch"](self, blocks)
 
 
@@ -232,30 +167,23 @@ def free_blocks(self: Any, ordered_blocks: Iterable[Any]) -> None:
     blocks = list(ordered_blocks)  # may be a one-shot iterator (reversed(...))
     _originals["free_blocks"](self, blocks)
     if self.enable_caching:
-        state = rlt_state(self)
-        for block in blocks:
-            if block.ref_cnt == 0:
-                _maybe_candidate(self, state, block)
+        on_free(rlt_state(self), self, blocks)
 
 
 def unpin_blocks(self: Any, blocks: Iterable[Any], on_reuse: Callable[[Any], None]) -> None:
     blocks = list(blocks)
     _originals["unpin_blocks"](self, blocks, on_reuse)
     if self.enable_caching:
-        state = rlt_state(self)
-        for block in blocks:
-            _maybe_candidate(self, state, block)
+        on_free(rlt_state(self), self, blocks)
 
 
 def _remove_cached_block_hashes(self: Any, block: Any) -> list[Any]:
     if block.block_hash is None:  # nothing cached here (vLLM still clears any stray entries)
         return _originals["_remove_cached_block_hashes"](self, block)
     removed = _originals["_remove_cached_block_hashes"](self, block)
-    state = rlt_state(self)
-    if not state.is_forgotten(block.block_id):  # get_new_blocks forgets its victims beforehand
-        parent_key = state.forget_cached(block.block_id)
-        if parent_key is not None:
-            _promote(self, state, parent_key)
+    # get_new_blocks forgets its victims beforehand; forgetting twice changes nothing. A parent key left
+    # without cached children makes its free holders candidates.
+    rlt_state(self).forget_cached(block.block_id)
     return removed
 
 
@@ -268,12 +196,10 @@ def move_block_hashes(self: Any, src_block: Any, dst_block: Any) -> None:
         return
     if parent_key is not UNREGISTERED:
         parent_key = None if parent_key is NO_PARENT else parent_key
-        if state.register_cached(dst_block.block_id, parent_key) and parent_key is not None:
-            for parent_block in _blocks_with_key(self, parent_key):
-                state.discard_candidate(parent_block.block_id)
+        state.register_cached(dst_block.block_id, parent_key)
     if was_marked:
         state.mark(dst_block.block_id)
-    _maybe_candidate(self, state, dst_block)
+    maybe_free_cached(state, self, dst_block)
 
 
 def reset_prefix_cache(self: Any) -> bool:

@@ -272,7 +272,7 @@ def test_marked_blocks_outlive_unmarked_ones(rlt: None, seed: int, monkeypatch: 
         eng.serve(tokens)
     a_blocks = {blk.block_id for blk in eng.pool.blocks if blk.block_hash is not None}
     state = rlt_state(eng.pool)
-    state._start_phase(keep=-1)  # a fresh phase: nothing marked
+    state.start_phase()  # a fresh phase: nothing marked
     eng.serve(a + [8])  # hits a's blocks: they are marked again
     a_blocks = {bid for bid in a_blocks if state.is_marked(bid)}
     assert len(a_blocks) == 2
