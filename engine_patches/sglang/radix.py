@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvroute.cython_ext.page_draws import PageDraws
 from kvroute.engine_patches.sglang.rlt_core import (
     UNMARKED,
     RLTLeafSet,
     RLTPhase,
     draw_leaf,
     draw_pages,
+    key_head,
     mark_path,
 )
 from kvroute.engine_patches.sglang.strategy import RLTStrategy, resolve_capacity
@@ -36,14 +38,14 @@ def _make_rlt_class(cls: type) -> type:
 
         kvroute_rlt = True
         _rlt_phase: RLTPhase
-        _rlt_rng: np.random.Generator
+        _rlt_rng: PageDraws
 
         def _rlt_setup(self) -> None:
             strategy = self.eviction_strategy
             if not isinstance(strategy, RLTStrategy):
                 raise TypeError(f"rlt tree built with strategy {type(strategy).__name__}")
             self._rlt_phase = RLTPhase(resolve_capacity(strategy, self.token_to_kv_pool_allocator))
-            self._rlt_rng = np.random.default_rng(strategy.seed)
+            self._rlt_rng = PageDraws(strategy.seed)
             self._rlt_unit = strategy.unit
             self._rlt_randbelow = random.Random(strategy.seed).randrange
             self.evictable_leaves = RLTLeafSet(self._rlt_phase, self.evictable_leaves)
@@ -147,9 +149,10 @@ def _make_rlt_class(cls: type) -> type:
         def _rlt_trim_tail(self, node: Any, keep: int) -> Any:
             """Cut a leaf after its first ``keep`` tokens (a page multiple), in place; returns the slots
             cut. The leaf stays a leaf with the same parent and child key (its first page is kept)."""
-            tail = node.value[keep:]
-            node.value = node.value[:keep]
-            node.key = node.key[:keep]
+            value = node.value
+            tail = value[keep:]
+            node.value = value[:keep]
+            node.key = key_head(node.key, keep)
             pages = keep // self.page_size
             if node.hash_value is not None:
                 node.hash_value = node.hash_value[:pages]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
+from kvroute.cython_ext.page_draws import PageDraws
 
 UNMARKED = -1  # phase number of a node never marked
 
@@ -200,6 +201,23 @@ def mark_path(node: Any, root: Any, phase: RLTPhase, leaves: RLTLeafSet) -> None
             cur = cur.parent
 
 
+def key_head(key: Any, n: int) -> Any:
+    """``key[:n]`` for an SGLang ``RadixKey``, without ``__getitem__``'s generic slice handling for the
+    plain case (no bigram view, no limit) — one call per leaf an RLT eviction trims."""
+    if (
+        _PLAIN_KEY_SLOTS
+        and type(key).__slots__ == _PLAIN_KEY_SLOTS
+        and not key.is_bigram
+        and key.limit is None
+    ):
+        return type(key)(key.token_ids[:n], key.extra_key, cache_salt=key.cache_salt)
+    return key[:n]
+
+
+# The RadixKey fields (SGLang 0.5.x) that key_head copies; any other layout takes key[:n].
+_PLAIN_KEY_SLOTS = ("token_ids", "extra_key", "cache_salt", "is_bigram", "limit")
+
+
 def draw_leaf(leaves: RLTLeafSet, phase: RLTPhase, randbelow: Callable[[int], int]) -> Any | None:
     """A uniformly random unmarked leaf (starting a new phase when none is left), or None when the tree
     has no evictable leaf at all. ``randbelow(n)`` is uniform on ``range(n)``. For ``unit="leaf"``."""
@@ -213,50 +231,18 @@ def draw_leaf(leaves: RLTLeafSet, phase: RLTPhase, randbelow: Callable[[int], in
     return leaves._nodes[randbelow(n)]
 
 
-def draw_pages(rng: np.random.Generator, room: np.ndarray, quota: int) -> tuple[np.ndarray, int, int]:
-    """Simulate RLT's one-page draws over fixed candidates until ``quota`` draws or one is emptied.
+def draw_pages(draws: PageDraws, room: np.ndarray, quota: int) -> tuple[np.ndarray, int, int]:
+    """RLT's one-page draws over fixed candidates until ``quota`` draws or one is emptied.
 
     ``room[i]`` >= 1 is how many pages candidate i still has. Each draw picks a candidate uniformly
     and takes one page from it; the run stops after ``quota`` draws or right after the draw that takes
     a candidate's last page (it leaves the candidate set, its parent may join it: the caller applies
-    that before drawing again). The draws are generated in numpy (multinomial counts, ordered only
-    when a candidate may run out); the result is distributed exactly as drawing one at a time.
+    that before drawing again). The draws are made one at a time in C (``PageDraws``).
 
     Returns ``(taken, n_draws, emptied)``: pages taken per candidate, draws made, and the index of the
     emptied candidate or -1.
     """
-    m = int(room.shape[0])
-    if m == 0 or quota <= 0:
-        return np.zeros(m, dtype=np.int64), 0, -1
-    # The counts of `quota` i.i.d. uniform draws are multinomial; when no candidate reaches its room,
-    # no draw emptied one and the counts are the answer (the common case: one O(m) call). Otherwise
-    # the draws are those counts in a uniformly random order. Only the order up to the first draw
-    # that empties a candidate matters, so it is generated chunk by chunk: a chunk's counts are a
-    # multivariate hypergeometric sample of what is left, and a chunk is put in order (a random
-    # permutation) only when a candidate can run out inside it.
-    counts = rng.multinomial(quota, np.full(m, 1.0 / m))
-    if (counts < room).all():
-        return counts.astype(np.int64), quota, -1
-    counts = counts.astype(np.int64)
-    taken = np.zeros(m, dtype=np.int64)
-    done = 0
-    while True:
-        left = room - taken
-        rest = quota - done
-        size = min(rest, max(32, m * int(left.min())))
-        chunk = counts if size == rest else rng.multivariate_hypergeometric(counts, size)
-        if (chunk < left).all():  # nobody runs out in this chunk (never true for the last one)
-            taken += chunk
-            counts = counts - chunk
-            done += size
-            continue
-        draws = rng.permutation(np.repeat(np.arange(m), chunk))
-        order = np.argsort(draws, kind="stable")
-        ordered = draws[order]
-        starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-        run_lengths = np.diff(np.concatenate((starts, [size])))
-        rank = np.arange(size) - np.repeat(starts, run_lengths)  # (rank+1)-th draw of its candidate here
-        emptying = rank == left[ordered] - 1
-        first = int(order[emptying].min())  # earliest draw (in draw order) that takes a last page
-        taken += np.bincount(draws[: first + 1], minlength=m)
-        return taken, done + first + 1, int(draws[first])
+    room = np.ascontiguousarray(room, dtype=np.int64)
+    taken = np.zeros(room.shape[0], dtype=np.int64)
+    n_draws, emptied = draws.draw(room, quota, taken)
+    return taken, n_draws, emptied

@@ -18,12 +18,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from kvroute.cython_ext.page_draws import PageDraws
 from kvroute.engine_patches.sglang.rlt_core import (
     UNMARKED,
     RLTLeafSet,
     RLTPhase,
     draw_leaf,
     draw_pages,
+    key_head,
     mark_path,
 )
 from kvroute.engine_patches.sglang.strategy import POLICY_NAME, RLTStrategy, resolve_capacity
@@ -59,7 +61,7 @@ class RLTUnifiedTreeCore(UnifiedTreeCore):
                     f"got strategy {type(strategy).__name__}"
                 )
             self._rlt_phase = RLTPhase(resolve_capacity(strategy, self._rlt_allocator))
-            self.rlt_rng = np.random.default_rng(strategy.seed)
+            self.rlt_rng = PageDraws(strategy.seed)
             self.rlt_unit = strategy.unit
             self.rlt_randbelow = random.Random(strategy.seed).randrange
         else:
@@ -102,9 +104,10 @@ class RLTUnifiedTreeCore(UnifiedTreeCore):
         """Cut an unlocked device leaf after its first ``keep`` tokens (a page multiple), in place;
         returns the slots cut. Parent, child key (the first page) and leaf status are unchanged."""
         cd = node.component_data[FULL]
-        tail = cd.value[keep:]
-        cd.value = cd.value[:keep]
-        node.key = node.key[:keep]
+        value = cd.value
+        tail = value[keep:]
+        cd.value = value[:keep]
+        node.key = key_head(node.key, keep)
         pages = keep // self.page_size
         if node.hash_value is not None:
             node.hash_value = node.hash_value[:pages]

@@ -235,9 +235,10 @@ def test_bad_rlt_config_is_a_clear_error(sglang_plugin: None) -> None:
 def test_draw_pages_matches_one_at_a_time_draws() -> None:
     """Two candidates with 2 and 3 pages left: drawing one page at a time, the first is emptied first
     with probability 11/16 (at least 2 of the first 4 uniform draws hit it)."""
+    from kvroute.cython_ext.page_draws import PageDraws
     from kvroute.engine_patches.sglang.rlt_core import draw_pages
 
-    rng = np.random.default_rng(7)
+    rng = PageDraws(7)
     trials = 20000
     first_emptied = 0
     for _ in range(trials):
@@ -247,3 +248,27 @@ def test_draw_pages_matches_one_at_a_time_draws() -> None:
     assert abs(first_emptied / trials - 11 / 16) < 0.015
     taken, n, emptied = draw_pages(rng, np.array([50, 50, 50]), 10)
     assert (n, emptied, int(taken.sum())) == (10, -1, 10)
+
+
+def test_page_draws_are_uniform_seeded_and_check_their_arguments() -> None:
+    """Many candidates, no one emptied: counts are uniform (chi-square), the same seed repeats the same
+    draws, and bad arguments are ValueErrors, not memory errors."""
+    from kvroute.cython_ext.page_draws import PageDraws
+
+    m, quota = 300, 300_000
+    taken = np.zeros(m, dtype=np.int64)
+    n, emptied = PageDraws(3).draw(np.full(m, 10**9, dtype=np.int64), quota, taken)
+    assert (n, emptied, int(taken.sum())) == (quota, -1, quota)
+    expected = quota / m
+    chi2 = float(((taken - expected) ** 2 / expected).sum())  # ~ chi-square, m - 1 = 299 dof: sd 24.5
+    assert chi2 < (m - 1) + 6 * (2 * (m - 1)) ** 0.5, chi2
+    again = np.zeros(m, dtype=np.int64)
+    PageDraws(3).draw(np.full(m, 10**9, dtype=np.int64), quota, again)
+    assert (again == taken).all()
+    with pytest.raises(ValueError, match="room"):
+        PageDraws(0).draw(np.array([1, 0], dtype=np.int64), 5, np.zeros(2, dtype=np.int64))
+    with pytest.raises(ValueError, match="entries"):
+        PageDraws(0).draw(np.array([1, 2], dtype=np.int64), 5, np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="seed"):
+        PageDraws(-1)
+    assert PageDraws(0).draw(np.zeros(0, dtype=np.int64), 5, np.zeros(0, dtype=np.int64)) == (0, -1)
