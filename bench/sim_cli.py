@@ -20,6 +20,7 @@ from typing import Any
 
 from kvroute.bench.report import print_table, run_row, to_json, write_csv, write_json
 from kvroute.bench.workloads import WORKLOADS, WorkloadRequest, make_workload, workload_options
+from kvroute.sim.engine import EVICTIONS
 
 
 class UsageError(ValueError):
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "--policy", default="lbgr", help="routing policy, e.g. lbgr or cache_aware:preset=sglang-0.1.4"
     )
     parser.add_argument(
-        "--eviction", default="rlt", choices=["lru", "rlt"], help="eviction policy (default rlt)"
+        "--eviction", default="rlt", choices=list(EVICTIONS), help="eviction policy (default rlt)"
     )
     parser.add_argument("--rate", type=float, default=12.0, help="Poisson arrival rate, req/s (default 12)")
     parser.add_argument("--records", metavar="PATH", help="write the per-request records as CSV")

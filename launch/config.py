@@ -20,6 +20,7 @@ Engine = Literal["sim", "sglang", "vllm"]
 # rlt-leaf: RLT's marking with whole-leaf draws; SGLang only (--radix-eviction-policy rlt with the
 # policy config {"unit": "leaf"}), and the simulator
 Eviction = Literal["lru", "rlt", "rlt-leaf"]
+SGLANG_POLICY_FLAG = "--radix-eviction-policy"
 SGLANG_POLICY_CONFIG_FLAG = "--radix-eviction-policy-config"
 Device = Literal["auto", "cpu", "gpu"]
 
@@ -80,6 +81,14 @@ class ClusterConfig(BaseModel):
             raise ValueError(
                 "eviction: rlt-leaf is SGLang-only (a draw evicts a whole radix leaf); vLLM's RLT draws "
                 "per block: use --eviction rlt with vllm"
+            )
+        if self.engine == "sglang" and any(
+            a == SGLANG_POLICY_FLAG or a.startswith(SGLANG_POLICY_FLAG + "=") for a in self.engine_args
+        ):
+            # launch sets SGLang's policy from `eviction`; a second one after -- would silently win
+            raise ValueError(
+                f"engine_args: {SGLANG_POLICY_FLAG} is set by kvroute from --eviction "
+                f"(here {self.eviction!r}); drop it from the engine arguments"
             )
         if self.eviction == "rlt-leaf" and self.engine == "sglang":
             _, user = split_sglang_policy_config(self.engine_args)  # raises on a malformed flag

@@ -66,7 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, help="number of engine workers (default 4)")
     p.add_argument("--engine", help="sim (default), sglang or vllm")
     p.add_argument("--model", help="model path or name (sglang, vllm)")
-    p.add_argument("--eviction", help="lru (default) or rlt: KV-cache eviction inside each engine")
+    p.add_argument(
+        "--eviction",
+        help="lru (default), rlt, or rlt-leaf (sglang and sim: a whole leaf per RLT draw): KV-cache eviction inside each engine",
+    )
     p.add_argument("--policy", help="router policy (default lbgr)")
     p.add_argument("--host", help="router bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="router port (default 8000; 0: any free port)")

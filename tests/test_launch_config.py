@@ -115,6 +115,12 @@ def test_example_cluster_yaml_is_valid() -> None:
             },
             "engine_args",
         ),
+        # SGLang's policy comes from --eviction; a second one after -- would silently override it
+        (
+            {"engine": "sglang", "model": "m", "engine_args": ["--radix-eviction-policy", "lfu"]},
+            "engine_args",
+        ),
+        ({"engine": "sglang", "model": "m", "engine_args": ["--radix-eviction-policy=lru"]}, "engine_args"),
     ],
 )
 def test_invalid_value_names_field(values: dict, field: str) -> None:
