@@ -45,8 +45,20 @@ from libc.stdlib cimport free, malloc, realloc
 
 cdef extern from "Python.h":
     PyObject* PyDict_GetItemWithError(object d, object key) except? NULL  # raises for unhashable keys
+    PyObject* PyList_GET_ITEM(object lst, Py_ssize_t i)  # borrowed reference
+    ctypedef struct PyMemberDef:
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:  # a __slots__ attribute's descriptor (descrobject.h)
+        PyMemberDef* d_member
+
+cdef extern from *:
+    """
+    #define KVROUTE_PREFETCH(p) __builtin_prefetch((const void*)(p))
+    """
+    void KVROUTE_PREFETCH(const void* p) noexcept nogil
 
 import os
+import types
 
 
 class _Sentinel:
@@ -660,6 +672,42 @@ def on_touch(LeafMarking state, blocks) -> None:
         state._mark(b)
 
 
+cdef enum:
+    PIPELINE = 4  # victims chosen ahead of their move in the free queue (their memory is prefetched)
+
+
+cdef object _slots_type = None  # the block class whose slot offsets are below
+cdef Py_ssize_t _off_prev = -1, _off_next = -1, _off_hash = -1
+
+
+cdef Py_ssize_t _slot_offset(object cls, str name) except -2:
+    """Byte offset of a ``__slots__`` attribute in instances of ``cls``; -1 when it is no slot."""
+    descriptor = getattr(cls, "__dict__", {}).get(name)
+    if type(descriptor) is not types.MemberDescriptorType:
+        return -1
+    return (<PyMemberDescrObject*><PyObject*>descriptor).d_member.offset
+
+
+cdef void _learn_slots(object cls) except *:
+    global _slots_type, _off_prev, _off_next, _off_hash
+    _off_prev = _slot_offset(cls, "prev_free_block")
+    _off_next = _slot_offset(cls, "next_free_block")
+    _off_hash = _slot_offset(cls, "_block_hash")
+    _slots_type = cls
+
+
+cdef inline void _prefetch_block(PyObject* block) noexcept nogil:
+    KVROUTE_PREFETCH(block)
+    KVROUTE_PREFETCH((<char*>block) + 64)
+
+
+cdef inline void _prefetch_slot(PyObject* block, Py_ssize_t offset) noexcept nogil:
+    # Reads the slot's pointer without touching its reference count, only to hint the CPU: a prefetch
+    # never faults and changes nothing, whatever the address.
+    if offset >= 0:
+        KVROUTE_PREFETCH((<PyObject**>((<char*>block) + offset))[0])
+
+
 def take_victims(LeafMarking state, object pool, Py_ssize_t num_blocks) -> list:
     """Choose the ``num_blocks`` blocks that vLLM's ``get_new_blocks`` will hand out, and move them to
     the head of vLLM's free queue in that order (through the queue's own ``remove``/``prepend_n``).
@@ -670,31 +718,62 @@ def take_victims(LeafMarking state, object pool, Py_ssize_t num_blocks) -> list:
     parent left without cached children is a candidate for the next draw of the same call. The caller
     must have checked ``0 < num_blocks <= free blocks``; vLLM then evicts the blocks itself (KV events,
     metrics, ref counts) when it pops them.
+
+    Why a pipeline: victims are random blocks, so moving one in vLLM's linked free queue and evicting
+    it later miss the CPU caches (the block, its queue neighbours, its hash key). Each victim is chosen
+    ``PIPELINE`` steps before it is moved and its memory is prefetched meanwhile. The blocks chosen but
+    not moved yet are still linked in the queue: the head skips them, so the choices are exactly those
+    of one-at-a-time moving.
     """
     queue = pool.free_block_queue
     fake_head = queue.fake_free_list_head
     remove = queue.remove
     cdef list pool_blocks = pool.blocks
     cdef list chosen = []
-    cdef Py_ssize_t i, b
-    cdef bint head_cached
+    cdef PyObject* pending[PIPELINE]  # chosen, not moved yet (borrowed: pool.blocks holds them)
+    cdef PyObject* picked
+    cdef Py_ssize_t i, k, b, n_pending = 0
+    cdef bint head_cached, skip
     head = fake_head.next_free_block
+    if type(head) is not _slots_type:
+        _learn_slots(type(head))
     head_cached = head.block_hash is not None
     for i in range(num_blocks):
         if head_cached:  # reusing the head would evict: RLT picks the victim
             b = state._draw()
             if b < 0:  # no leaf candidate at all: vLLM's LRU head
-                block = head
+                picked = <PyObject*>head
                 b = state._check_id(head.block_id)
             else:
-                block = pool_blocks[b]
+                picked = PyList_GET_ITEM(pool_blocks, b)
             state._forget(b)  # a parent left childless becomes a candidate for the next draw
-        else:
-            block = head
+        else:  # never cached: taken from the head as vLLM takes it
+            picked = <PyObject*>head
+        _prefetch_block(picked)
+        if picked == <PyObject*>head and i + 1 < num_blocks:  # the next head: skip chosen blocks
+            while True:
+                head = head.next_free_block
+                skip = False
+                for k in range(n_pending):
+                    skip = skip or pending[k] == <PyObject*>head
+                if not skip:
+                    break
+            head_cached = head.block_hash is not None
+        if n_pending == PIPELINE:  # move the oldest chosen block; prefetch what the next move reads
+            block = <object>pending[0]
+            remove(block)
+            chosen.append(block)
+            for k in range(1, PIPELINE):
+                pending[k - 1] = pending[k]
+            n_pending -= 1
+            _prefetch_slot(pending[0], _off_prev)
+            _prefetch_slot(pending[0], _off_next)
+            _prefetch_slot(pending[0], _off_hash)
+        pending[n_pending] = picked
+        n_pending += 1
+    for k in range(n_pending):
+        block = <object>pending[k]
         remove(block)
         chosen.append(block)
-        if block is head and i + 1 < num_blocks:  # the head moved on (a victim elsewhere leaves it)
-            head = fake_head.next_free_block
-            head_cached = head.block_hash is not None
     queue.prepend_n(chosen)
     return chosen

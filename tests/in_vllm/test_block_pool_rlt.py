@@ -370,3 +370,60 @@ def test_cache_full_blocks_with_fewer_blocks_than_full_blocks(rlt: None) -> None
     eng.pool.free_blocks(reversed(blocks))
     assert set(state.slots) == {blocks[1].block_id}  # only the leaf is drawable
     state.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), n_blocks=st.integers(2, 40), data=st.data())
+def test_take_victims_chooses_as_one_at_a_time_moves_would(
+    vllm_available: None, seed: int, n_blocks: int, data: st.DataObject
+) -> None:
+    """``take_victims`` chooses ahead of moving (a prefetch pipeline). Against a plain model that moves
+    each block as soon as it is chosen, on vLLM's own free queue with cached and never-cached blocks
+    mixed in any order: the same blocks in the same order, and the queue then starts with them."""
+    from types import SimpleNamespace
+
+    from kvroute.cython_ext.leaf_marking import LeafMarking, take_victims
+    from leaf_marking_reference import ReferenceLeafMarking
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    rng = random.Random(seed)
+    blocks = [KVCacheBlock(i) for i in range(n_blocks)]
+    queue = FreeKVCacheBlockQueue(blocks)
+    order = list(range(n_blocks))
+    rng.shuffle(order)
+    for b in blocks:
+        queue.remove(b)
+    for i in order:
+        queue.append(blocks[i])
+    state = LeafMarking(n_blocks, capacity=max(1, n_blocks - 1), seed=seed)
+    ref = ReferenceLeafMarking(n_blocks, capacity=max(1, n_blocks - 1), seed=seed)
+    keys = [f"key{rng.randrange(n_blocks)}".encode() for _ in range(n_blocks)]  # duplicates happen
+    for b in range(n_blocks):
+        if rng.random() < 0.75:  # cached (and free); the rest never cached
+            blocks[b].set_block_hash(keys[b])
+            parent = rng.choice([None, *keys])
+            for s in (state, ref):
+                s.register_cached(b, parent)
+                s.add_free_cached(b, keys[b])
+    for b in rng.sample(range(n_blocks), k=n_blocks // 3):  # some marks: draws skip them
+        state.mark(b)
+        ref.mark(b)
+    k = data.draw(st.integers(1, n_blocks))
+    pool = SimpleNamespace(free_block_queue=queue, blocks=blocks)
+    got = [b.block_id for b in take_victims(state, pool, k)]
+
+    model_queue, expected = list(order), []
+    for _ in range(k):
+        head = model_queue[0]
+        if blocks[head].block_hash is not None:
+            victim = ref.draw()
+            victim = head if victim is None else victim
+            ref.forget_cached(victim)
+        else:
+            victim = head
+        model_queue.remove(victim)
+        expected.append(victim)
+    assert got == expected
+    assert [b.block_id for b in queue.get_all_free_blocks()] == expected + model_queue
+    assert state.slots == ref.slots
+    state.check_invariants()
