@@ -170,6 +170,8 @@ cdef class LeafMarking:
         self.num_blocks = num_blocks
         self.capacity = capacity
         self.sweep_at = 3 * num_blocks + 64
+        free(self.blk)  # __init__ called again: start over
+        free(self.slot_ids)
         self.blk = <BlockState*>malloc(num_blocks * sizeof(BlockState))
         self.slot_ids = <int32_t*>malloc(num_blocks * sizeof(int32_t))
         if self.blk == NULL or self.slot_ids == NULL:
@@ -536,11 +538,8 @@ cdef class LeafMarking:
             and self.blk[b].own_kid < 0
         )
 
-    def register_cached(self, block_id, parent_key) -> bool:
-        """Record the chain parent of a newly cached block (``None``: first of its chain). Returns True
-        when ``parent_key`` just gained its first cached child (its free holders stopped being
-        candidates)."""
-        cdef Py_ssize_t b = self._check_id(block_id), kid
+    cdef bint _register(self, Py_ssize_t b, object parent_key) except -1:
+        cdef Py_ssize_t kid
         if self.blk[b].parent_kid != KID_UNREGISTERED:
             return False
         if parent_key is None:
@@ -553,6 +552,12 @@ cdef class LeafMarking:
             return False
         self._demote(kid)
         return True
+
+    def register_cached(self, block_id, parent_key) -> bool:
+        """Record the chain parent of a newly cached block (``None``: first of its chain). Returns True
+        when ``parent_key`` just gained its first cached child (its free holders stopped being
+        candidates)."""
+        return self._register(self._check_id(block_id), parent_key)
 
     def parent_of(self, block_id) -> object:
         cdef int32_t kid = self.blk[self._check_id(block_id)].parent_kid
@@ -657,6 +662,30 @@ def on_free(LeafMarking state, object pool, list blocks) -> None:
     in ``pool`` become free holders (candidates when they are leaves)."""
     for block in blocks:
         _maybe_free_cached(state, pool, block)
+
+
+def on_cached(LeafMarking state, list blocks, hashes, Py_ssize_t first, Py_ssize_t stop, make_key,
+              group_id, block_mask) -> None:
+    """After vLLM's ``cache_full_blocks``: each block ``i`` in ``first..stop-1`` that now holds the key
+    ``make_key(hashes[i], group_id)`` records its chain parent (the key of ``hashes[i - 1]``; a parent
+    key gaining its first child stops being a leaf) and is marked. Null blocks, blocks masked out
+    (``block_mask[i - first]`` false) and blocks holding other content are skipped, as vLLM skips them.
+    """
+    cdef Py_ssize_t i, b
+    if stop <= first:
+        return
+    key = make_key(hashes[first - 1], group_id) if first > 0 else None
+    for i in range(first, stop):
+        parent_key = key
+        key = make_key(hashes[i], group_id)
+        block = blocks[i]
+        if block.is_null or block.block_hash != key:
+            continue  # null, or this content is cached under another block (vLLM does not dedup)
+        if block_mask is not None and not block_mask[i - first]:
+            continue
+        b = state._check_id(block.block_id)
+        state._register(b, parent_key)
+        state._mark(b)
 
 
 def on_touch(LeafMarking state, blocks) -> None:

@@ -13,7 +13,8 @@ How it stays inside vLLM's own code (nothing of vLLM is copied here):
   ``remove``/``prepend_n``; then vLLM's ``get_new_blocks`` pops exactly them and evicts them
   (``_maybe_evict_cached_block``: KV events, metrics collector), with ref counts, reuse watchers and
   metrics as always.
-- ``cache_full_blocks`` (after vLLM's): mark newly cached blocks, record each one's chain parent.
+- ``cache_full_blocks`` (after vLLM's): mark newly cached blocks, record each one's chain parent
+  (a parent key getting its first cached child stops being a leaf).
 - ``touch`` (before vLLM's): a hit marks the blocks; blocks leaving the free queue stop being candidates.
 - ``free_blocks`` / ``unpin_blocks`` (after vLLM's): blocks whose ref count dropped to 0 become free
   holders of their hash, and candidates when they are cached leaves.
@@ -37,6 +38,7 @@ from kvroute.cython_ext.leaf_marking import (
     UNREGISTERED,
     LeafMarking,
     maybe_free_cached,
+    on_cached,
     on_free,
     on_touch,
     take_victims,
@@ -140,22 +142,19 @@ def cache_full_blocks(
     if num_cached_blocks >= num_full_blocks:
         return
     block_mask = kwargs.get("block_mask", args[0] if args else None)
-    state = rlt_state(self)
-    make_key = _vllm["make_block_hash_with_group_id"]
     hashes = _vllm["resolve_block_hashes"](request.block_hashes, self.hash_block_size, block_size)
-    key = make_key(hashes[num_cached_blocks - 1], kv_cache_group_id) if num_cached_blocks > 0 else None
     # vLLM slices blocks[num_cached_blocks:num_full_blocks]: the list may be shorter than num_full_blocks
-    for i in range(num_cached_blocks, min(num_full_blocks, len(blocks), len(hashes))):
-        parent_key, key = key, make_key(hashes[i], kv_cache_group_id)
-        block = blocks[i]
-        if block.is_null or block.block_hash != key:
-            continue  # null, or this content is cached under another block (vLLM does not dedup)
-        if block_mask is not None and not block_mask[i - num_cached_blocks]:
-            continue
-        # A parent key getting its first cached child stops being a leaf: its free holders stop being
-        # candidates (usually the parent is this request's own previous block, in use anyway).
-        state.register_cached(block.block_id, parent_key)
-        state.mark(block.block_id)
+    stop = min(num_full_blocks, len(blocks), len(hashes))
+    on_cached(
+        rlt_state(self),
+        blocks if type(blocks) is list else list(blocks),
+        hashes,
+        num_cached_blocks,
+        stop,
+        _vllm["make_block_hash_with_group_id"],
+        kv_cache_group_id,
+        block_mask,
+    )
 
 
 def touch(self: Any, blocks: Sequence[Any]) -> None:
