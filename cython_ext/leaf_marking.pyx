@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """RLT bookkeeping for one vLLM block pool (marks, phases, leaf candidates by block id), plus the fused
-loops that vLLM's hot paths call (``take_victims``, ``on_touch``, ``on_free``).
+loops that vLLM's hot paths call (``take_victims``, ``on_cached``, ``on_touch``, ``on_free``).
 
 ``LeafMarking`` is pure policy code: no vLLM import, no I/O, no clock. The block-pool adapter
 (``kvroute.engine_patches.vllm.block_pool_rlt``) tells it what happened to a block (cached, hit, freed,
@@ -82,7 +82,7 @@ cdef enum:
 MAX_BLOCKS = 0x7FFFFFFF  # block ids and key ids are int32
 
 
-cdef struct BlockState:  # one cache line holds everything an eviction reads about a block
+cdef struct BlockState:  # 32 bytes: all an eviction reads or writes about a block, in one place
     int64_t mark_phase  # marked iff == phase; -1: never / forgotten
     int32_t pos  # index in slots, -1: not a candidate
     int32_t parent_kid  # key id of the registered chain parent, or KID_UNREGISTERED / KID_NO_PARENT
@@ -652,20 +652,28 @@ cdef inline void _maybe_free_cached(LeafMarking state, object pool, object block
         state._free_cached(state._check_id(block.block_id), key)
 
 
-def maybe_free_cached(LeafMarking state, object pool, object block) -> None:
+def maybe_free_cached(LeafMarking state not None, object pool, object block) -> None:
     """``block`` is a free holder (and maybe a candidate) when it is free, cached, of ``pool``."""
     _maybe_free_cached(state, pool, block)
 
 
-def on_free(LeafMarking state, object pool, list blocks) -> None:
+def on_free(LeafMarking state not None, object pool, list blocks) -> None:
     """After vLLM's ``free_blocks``/``unpin_blocks``: blocks whose ref count is 0 and that are cached
     in ``pool`` become free holders (candidates when they are leaves)."""
     for block in blocks:
         _maybe_free_cached(state, pool, block)
 
 
-def on_cached(LeafMarking state, list blocks, hashes, Py_ssize_t first, Py_ssize_t stop, make_key,
-              group_id, block_mask) -> None:
+def on_cached(
+    LeafMarking state not None,
+    list blocks,
+    hashes,
+    Py_ssize_t first,
+    Py_ssize_t stop,
+    make_key,
+    group_id,
+    block_mask,
+) -> None:
     """After vLLM's ``cache_full_blocks``: each block ``i`` in ``first..stop-1`` that now holds the key
     ``make_key(hashes[i], group_id)`` records its chain parent (the key of ``hashes[i - 1]``; a parent
     key gaining its first child stops being a leaf) and is marked. Null blocks, blocks masked out
@@ -688,7 +696,7 @@ def on_cached(LeafMarking state, list blocks, hashes, Py_ssize_t first, Py_ssize
         state._mark(b)
 
 
-def on_touch(LeafMarking state, blocks) -> None:
+def on_touch(LeafMarking state not None, blocks) -> None:
     """Before vLLM's ``touch``: a hit marks the cached blocks; free ones leave the candidates (vLLM takes
     them out of its free queue)."""
     cdef Py_ssize_t b
@@ -737,7 +745,7 @@ cdef inline void _prefetch_slot(PyObject* block, Py_ssize_t offset) noexcept nog
         KVROUTE_PREFETCH((<PyObject**>((<char*>block) + offset))[0])
 
 
-def take_victims(LeafMarking state, object pool, Py_ssize_t num_blocks) -> list:
+def take_victims(LeafMarking state not None, object pool, Py_ssize_t num_blocks) -> list:
     """Choose the ``num_blocks`` blocks that vLLM's ``get_new_blocks`` will hand out, and move them to
     the head of vLLM's free queue in that order (through the queue's own ``remove``/``prepend_n``).
 
