@@ -427,3 +427,50 @@ def test_take_victims_chooses_as_one_at_a_time_moves_would(
     assert [b.block_id for b in queue.get_all_free_blocks()] == expected + model_queue
     assert state.slots == ref.slots
     state.check_invariants()
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000),
+    steps=st.lists(st.integers(0, 99), min_size=10, max_size=50),
+)
+def test_unpin_evict_blocks_and_move_keep_the_candidates_exact(
+    rlt: None, seed: int, steps: list[int]
+) -> None:
+    """vLLM's other ways in and out of the prefix cache, mixed with requests: ``unpin_blocks`` (blocks
+    readable until reused: reuse watchers), ``evict_blocks`` (a KV connector drops hashes, of free or
+    held blocks) and ``move_block_hashes`` (a cache entry moves to a private copy). After each step the
+    candidates are exactly the free cached leaves and vLLM's own invariants hold."""
+    rng = random.Random(seed)
+    eng = Engine(num_blocks=24)
+    pool = eng.pool
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(BLOCK, 4 * BLOCK))] for _ in range(3)]
+    parent_of: dict[bytes, bytes | None] = {}
+    unpinned: set[int] = set()
+    reused: list[int] = []
+    for step in steps:
+        op = step % 5
+        if op == 0 and eng.running:  # release a request's blocks through unpin_blocks, not free
+            rid = rng.choice(sorted(eng.running))
+            blocks = [b for b in eng.req_blocks(rid) if not b.is_null]
+            del eng.running[rid]
+            pool.unpin_blocks(blocks, lambda b: reused.append(b.block_id))
+            unpinned.update(b.block_id for b in blocks)
+        elif op == 1:  # a KV connector evicts some blocks' hashes
+            pool.evict_blocks({rng.randrange(1, 24) for _ in range(3)})
+        elif op == 2 and eng.running and pool.get_num_free_blocks() > 0:  # move a cached entry to a copy
+            rid = rng.choice(sorted(eng.running))
+            cached = [b for b in eng.req_blocks(rid) if b.block_hash is not None]
+            if cached:
+                (copy,) = pool.get_new_blocks(1)
+                pool.move_block_hashes(cached[-1], copy)
+                pool.free_blocks([copy])
+        elif op == 3 and eng.running:
+            eng.finish(rng.choice(sorted(eng.running)))
+        elif len(eng.running) < 3:
+            tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(1 + step % (3 * BLOCK))]
+            record_chain(eng, tokens, parent_of)
+            eng.admit(tokens)
+        check_vllm_invariants(eng)
+        check_rlt_candidates(eng, parent_of)
+    assert set(reused) <= unpinned  # watchers fire for unpinned blocks only, when vLLM reuses them
