@@ -43,5 +43,5 @@ setup(
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True},
     ),
-    package_data={"kvroute.cython_ext": ["*.pyx", "*.pxd"]},
+    package_data={"kvroute.cython_ext": ["*.pyx", "*.pxd", "*.pxi"]},
 )

@@ -17,31 +17,21 @@ import os
 from libc.stdint cimport int64_t, uint64_t
 
 
-cdef inline uint64_t _splitmix64(uint64_t* state) noexcept nogil:
-    state[0] += <uint64_t>0x9E3779B97F4A7C15ULL
-    cdef uint64_t z = state[0]
-    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
-    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EBULL
-    return z ^ (z >> 31)
+include "rng.pxi"
 
 
 cdef class PageDraws:
     """A seeded stream of RLT page draws. ``seed``: a non-negative int, or None for OS entropy."""
 
-    cdef uint64_t state
-    cdef uint64_t bits   # unused 16-bit chunks of the last output
-    cdef int nchunks
+    cdef Rng rng
     cdef readonly object seed
 
     def __init__(self, seed=None):
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise ValueError(f"seed must be a non-negative int or None, got {seed!r}")
         self.seed = seed
-        cdef uint64_t s = (int.from_bytes(os.urandom(8), "little") if seed is None
-                           else (<uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)))
-        self.state = _splitmix64(&s)  # any state is fine for splitmix64
-        self.bits = 0
-        self.nchunks = 0
+        _rng_seed(&self.rng, int.from_bytes(os.urandom(8), "little") if seed is None
+                  else (<uint64_t>(seed & 0xFFFFFFFFFFFFFFFF)))
 
     def draw(self, const int64_t[::1] room not None, Py_ssize_t quota, int64_t[::1] taken not None):
         """Draw up to ``quota`` pages uniformly over the ``len(room)`` candidates, one at a time.
@@ -58,36 +48,9 @@ cdef class PageDraws:
         for i in range(m):
             if room[i] < 1:
                 raise ValueError(f"room[{i}] = {room[i]}: every candidate has at least one page")
-        cdef uint64_t state = self.state, bits = self.bits, x, prod, bound = <uint64_t>m, thresh
-        cdef int nchunks = self.nchunks
-        cdef bint small = m <= 0x10000
         cdef Py_ssize_t emptied = -1
-        thresh = (0x10000ULL - bound) % bound if small else (0x100000000ULL - bound) % bound
+        if m > 0x100000000:
+            raise ValueError(f"at most 2**32 candidates, got {m}")
         with nogil:
-            while d < quota:
-                if small:  # four 16-bit draws per 64-bit output
-                    if nchunks == 0:
-                        bits = _splitmix64(&state)
-                        nchunks = 4
-                    x = bits & 0xFFFFULL
-                    bits >>= 16
-                    nchunks -= 1
-                    prod = x * bound
-                    if (prod & 0xFFFFULL) < thresh:
-                        continue
-                    i = <Py_ssize_t>(prod >> 16)
-                else:
-                    x = _splitmix64(&state) >> 32
-                    prod = x * bound
-                    if (prod & 0xFFFFFFFFULL) < thresh:
-                        continue
-                    i = <Py_ssize_t>(prod >> 32)
-                taken[i] += 1
-                d += 1
-                if taken[i] == room[i]:
-                    emptied = i
-                    break
-        self.state = state
-        self.bits = bits
-        self.nchunks = nchunks
+            d = _count_draws_dense(&self.rng, m, &room[0], &taken[0], quota, &emptied)
         return d, emptied

@@ -243,73 +243,7 @@ cdef inline bint _heap_less(Node a, Node b):
     return a.hkey < b.hkey or (a.hkey == b.hkey and a.node_id < b.node_id)
 
 
-cdef struct Rng:
-    uint64_t state     # splitmix64
-    uint64_t bits      # unused 16-bit chunks of the last output
-    int nchunks
-
-
-cdef inline uint64_t _splitmix64(uint64_t* state) noexcept nogil:
-    state[0] += <uint64_t>0x9E3779B97F4A7C15ULL
-    cdef uint64_t z = state[0]
-    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
-    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EBULL
-    return z ^ (z >> 31)
-
-
-cdef inline Py_ssize_t _uniform_below(Rng* r, Py_ssize_t u) noexcept nogil:
-    """One exact-uniform draw in [0, u) (u >= 1) from the same stream and chunking as the block draws
-    (16-bit chunks for u <= 2**16, else the top 32 bits of a fresh output; Lemire's rejection)."""
-    cdef uint64_t x, m, bound = <uint64_t>u, thresh
-    if u <= 0x10000:
-        thresh = (0x10000ULL - bound) % bound
-        while True:
-            if r.nchunks == 0:
-                r.bits = _splitmix64(&r.state)
-                r.nchunks = 4
-            x = r.bits & 0xFFFFULL
-            r.bits >>= 16
-            r.nchunks -= 1
-            m = x * bound
-            if (m & 0xFFFFULL) >= thresh:
-                return <Py_ssize_t>(m >> 16)
-    thresh = (0x100000000ULL - bound) % bound
-    while True:
-        x = _splitmix64(&r.state) >> 32
-        m = x * bound
-        if (m & 0xFFFFFFFFULL) >= thresh:
-            return <Py_ssize_t>(m >> 32)
-
-
-cdef Py_ssize_t _count_draws_dense(Rng* r, Py_ssize_t u, const int64_t* rem, int64_t* cnt,
-                                   Py_ssize_t todo, Py_ssize_t* emptied) noexcept nogil:
-    """Like ``_count_draws`` with ``rem`` filled in and ``cnt`` zeroed for all ``u`` candidates up
-    front: the cheapest loop per draw, for blocks with many draws per candidate."""
-    cdef Py_ssize_t d = 0, i
-    cdef uint64_t state = r.state, bits = r.bits, x, m, bound = <uint64_t>u
-    cdef uint64_t thresh = (0x10000ULL - bound) % bound
-    cdef int nchunks = r.nchunks
-    emptied[0] = -1
-    while d < todo:
-        if nchunks == 0:
-            bits = _splitmix64(&state)
-            nchunks = 4
-        x = bits & 0xFFFFULL
-        bits >>= 16
-        nchunks -= 1
-        m = x * bound
-        if (m & 0xFFFFULL) < thresh:
-            continue
-        i = <Py_ssize_t>(m >> 16)
-        cnt[i] += 1
-        d += 1
-        if cnt[i] == rem[i]:
-            emptied[0] = i
-            break
-    r.state = state
-    r.bits = bits
-    r.nchunks = nchunks
-    return d
+include "rng.pxi"
 
 
 cdef Py_ssize_t _count_draws(Rng* r, PyObject** arr, Py_ssize_t u, Py_ssize_t page, int64_t* rem,
@@ -323,29 +257,13 @@ cdef Py_ssize_t _count_draws(Rng* r, PyObject** arr, Py_ssize_t u, Py_ssize_t pa
     The generator state lives in locals: ``cnt`` may alias it as far as C knows, which would
     otherwise force a reload of the state after every count."""
     cdef Py_ssize_t d = 0, i, nt = 0
-    cdef uint64_t state = r.state, bits = r.bits, x, m, bound = <uint64_t>u, thresh
-    cdef int nchunks = r.nchunks
-    cdef bint small = u <= 0x10000
+    cdef Rng g = r[0]
+    cdef uint64_t bound = <uint64_t>u, thresh = _reject_below(bound)
     emptied[0] = -1
-    thresh = (0x10000ULL - bound) % bound if small else (0x100000000ULL - bound) % bound
     while d < todo:
-        if small:  # four 16-bit draws per 64-bit output
-            if nchunks == 0:
-                bits = _splitmix64(&state)
-                nchunks = 4
-            x = bits & 0xFFFFULL
-            bits >>= 16
-            nchunks -= 1
-            m = x * bound
-            if (m & 0xFFFFULL) < thresh:
-                continue
-            i = <Py_ssize_t>(m >> 16)
-        else:
-            x = _splitmix64(&state) >> 32
-            m = x * bound
-            if (m & 0xFFFFFFFFULL) < thresh:
-                continue
-            i = <Py_ssize_t>(m >> 32)
+        i = _try_below(&g, bound, thresh)
+        if i < 0:
+            continue
         if cnt[i] == 0:
             touched[nt] = i
             nt += 1
@@ -355,9 +273,7 @@ cdef Py_ssize_t _count_draws(Rng* r, PyObject** arr, Py_ssize_t u, Py_ssize_t pa
         if cnt[i] == rem[i]:
             emptied[0] = i
             break
-    r.state = state
-    r.bits = bits
-    r.nchunks = nchunks
+    r[0] = g
     n_touched[0] = nt
     return d
 
@@ -451,8 +367,7 @@ cdef class RadixTree:
             s = int.from_bytes(os.urandom(8), "little")
         else:
             s = <uint64_t>(int(seed) & 0xFFFFFFFFFFFFFFFF)
-        self.rng.state = _splitmix64(&s)  # any state is fine for splitmix64
-        self.rng.nchunks = 0
+        _rng_seed(&self.rng, s)
 
     # ------------------------------------------------------------------ read-only attributes
     @property
