@@ -97,12 +97,7 @@ cdef struct KeyState:
     int32_t holders  # first free holder (block id) or NONE
 
 
-cdef inline uint64_t _splitmix64(uint64_t* state) noexcept nogil:
-    state[0] += <uint64_t>0x9E3779B97F4A7C15ULL
-    cdef uint64_t z = state[0]
-    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9ULL
-    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EBULL
-    return z ^ (z >> 31)
+include "rng.pxi"  # _splitmix64
 
 
 cdef inline Py_ssize_t _uniform(uint64_t* state, uint64_t k) noexcept nogil:

@@ -22,6 +22,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] \
   && "$VENV/bin/python" -c "
 import importlib.metadata as md, importlib.util as iu
 assert md.version('sglang') == '0.5.23' and iu.find_spec('kvroute.engine_patches.sglang')
+import kvroute.cython_ext.page_draws  # the compiled extension the plugin uses
 assert any(ep.name == 'kvroute' for ep in md.entry_points(group='sglang.srt.plugins'))
 " 2>/dev/null; then
   echo "$VENV is up to date"
@@ -44,7 +45,7 @@ start=$(date +%s)
 import sglang.srt.plugins, sglang.srt.server_args
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
-import kvroute.engine_patches.sglang
+import kvroute.engine_patches.sglang, kvroute.cython_ext.page_draws
 "
 echo "$WANT" >"$STAMP"
 echo "$VENV ready in $(($(date +%s) - start)) s"

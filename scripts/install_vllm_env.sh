@@ -21,6 +21,7 @@ ready() {
   "$VENV/bin/python" - <<'EOF' 2>/dev/null
 from importlib.metadata import entry_points
 import vllm, kvroute.engine_patches.vllm, pytest, hypothesis  # noqa: F401
+import kvroute.cython_ext.leaf_marking  # noqa: F401  (the compiled extension the plugin uses)
 from transformers import LlamaForCausalLM  # noqa: F401  (fails when a CUDA torchvision sneaked in)
 eps = [e.value for e in entry_points(group="vllm.general_plugins")]
 assert "kvroute.engine_patches.vllm:register" in eps, eps
