@@ -702,14 +702,7 @@ cdef class RadixTree:
         cdef bint last_path = False
         cdef Node gone
         while done < todo:
-            if self.n_unmarked == 0 and not last_path:
-                if self.n_arr == 0:
-                    break
-                self._new_phase()
-                # only the most recently accessed path is left (all else locked or gone): as an
-                # explicit evict() must free what it can, its marked leaves go too, uniformly drawn
-                last_path = self.n_unmarked == 0
-            u = self.n_arr if last_path else self.n_unmarked
+            u = self._draw_range(&last_path)
             if u == 0:
                 break
             self._reserve_counts(u)
@@ -745,6 +738,18 @@ cdef class RadixTree:
         self.evicted_tokens += done * p
         return done * p
 
+    cdef Py_ssize_t _draw_range(self, bint* last_path) except -1:
+        """How many candidates the next RLT draw is uniform over (0: nothing evictable): the unmarked
+        leaves; none left starts a new phase; if only the most recently accessed path is left even
+        then (all else locked or gone), all its leaves (``*last_path`` becomes true): an explicit
+        evict() must free what it can."""
+        if self.n_unmarked == 0 and not last_path[0]:
+            if self.n_arr == 0:
+                return 0
+            self._new_phase()
+            last_path[0] = self.n_unmarked == 0
+        return self.n_arr if last_path[0] else self.n_unmarked
+
     cdef Py_ssize_t _evict_rlt_leaves(self, Py_ssize_t want) except -1:
         """rlt-leaf: evict whole uniformly drawn unmarked unlocked leaves until ``want`` tokens are
         freed (it may free more, as lru does) or nothing is evictable. Phases as in ``_evict_rlt``:
@@ -754,12 +759,7 @@ cdef class RadixTree:
         cdef bint last_path = False
         cdef Node n
         while freed < want:
-            if self.n_unmarked == 0 and not last_path:
-                if self.n_arr == 0:
-                    break
-                self._new_phase()
-                last_path = self.n_unmarked == 0
-            u = self.n_arr if last_path else self.n_unmarked
+            u = self._draw_range(&last_path)
             if u == 0:
                 break
             self.draw_blocks += 1
