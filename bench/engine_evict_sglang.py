@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+from kvroute.bench.forked import run_in_fork
 from kvroute.bench.traces import gsp
 
 KINDS = ("unified", "radix")
@@ -356,18 +357,15 @@ def main(argv: list[str] | None = None) -> int:
             for policy in policies:
                 if policy == "lru-python" and kind != "unified":
                     continue  # the legacy RadixCache has one (Python) implementation: its lru row
-                task = bar.add_task(f"sglang {kind} {policy}", total=len(trace))
-                results.append(
-                    replay(
-                        trace,
-                        kind,
-                        policy,
-                        args.pool_tokens,
-                        args.page_size,
-                        seed=args.seed,
-                        progress=lambda _i, t=task: bar.advance(t),
+                task = bar.add_task(f"sglang {kind} {policy}", total=1)
+                # each replay in its own forked process: every policy starts from the same heap
+                result = run_in_fork(
+                    lambda kind=kind, policy=policy: asdict(
+                        replay(trace, kind, policy, args.pool_tokens, args.page_size, seed=args.seed)
                     )
                 )
+                results.append(ReplayResult(**result))
+                bar.advance(task)
     rows = [
         {
             "engine": "sglang",

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from kvroute.bench.forked import run_in_fork
+
 POLICIES = ("lru", "rlt")
 TraceRequest = tuple[Sequence[int], Sequence[int]]  # (prompt tokens, output tokens)
 
@@ -351,37 +353,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _in_fresh_process(run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``run()`` in a forked child; its row comes back as JSON. Each replay then starts from the same
-    heap: run in one process, a replay inherits the previous one's scattered free lists and block
-    objects, which slowed whichever policy ran second by up to ~30% (measured on vLLM's LRU)."""
-    import os
-
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        status = 1
-        try:
-            os.close(read_fd)
-            with os.fdopen(write_fd, "w") as out:
-                out.write(json.dumps(run()))
-            status = 0
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            os._exit(status)
-    os.close(write_fd)
-    with os.fdopen(read_fd) as inp:
-        payload = inp.read()
-    _, wait_status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(wait_status)
-    if code != 0 or not payload:
-        raise RuntimeError(f"replay process failed (exit {code})")
-    return json.loads(payload)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -415,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):  # policies interleaved, so a busy spell on the machine hits both
         for policy in policies:
             runs[policy].append(
-                _in_fresh_process(
+                run_in_fork(
                     lambda policy=policy: row(
                         policy,
                         replay(
