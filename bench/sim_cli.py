@@ -170,7 +170,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-index-chars",
         type=int,
         default=None,
-        help="router prefix-index capacity in characters (router default: 10M; raise it for many workers)",
+        help="router prefix-index capacity in characters (router default: 2.5M per worker)",
     )
     parser.add_argument(
         "--option",

@@ -341,6 +341,15 @@ cdef class PrefixIndex:
             self._trim()
         return max(0, self.stored_chars - before)
 
+    def set_max_chars(self, Py_ssize_t max_chars) -> None:
+        """Change the bound; when the index holds more than the new bound it is trimmed now (least
+        recently used per-worker leaves first, as on insert)."""
+        if max_chars <= 0:
+            raise ValueError(f"max_chars must be > 0, got {max_chars}")
+        self.max_chars = max_chars
+        if self.stored_chars > self.max_chars:
+            self._trim()
+
     # -- trimming --------------------------------------------------------------------------------------
     cdef int _is_leaf_for(self, _Node node, int slot) except -1:
         cdef _Node ch

@@ -22,6 +22,9 @@ from kvroute.router.state import CharsPerTokenEstimator, ClusterState, default_s
 from kvroute.router.types import NoWorkerAvailable, Policy, Request, WorkerView
 
 MAX_WORKERS = 256  # PrefixIndex worker slots
+# Default prefix-index bound per worker, in characters: ~3x the text of a 200k-token KV pool (~4 chars a
+# token), and the 10M-character total the router had at its default 4 workers.
+INDEX_CHARS_PER_WORKER = 2_500_000
 
 
 class Router:
@@ -32,7 +35,7 @@ class Router:
         policy: str | Policy,
         workers: Iterable[str] = (),
         *,
-        max_index_chars: int = 10_000_000,
+        max_index_chars: int | None = None,
         seed: int | None = None,
         **policy_options: Any,
     ) -> None:
@@ -47,13 +50,18 @@ class Router:
             self.policy = policy
         else:
             raise TypeError(f"policy must be a name or a Policy, got {type(policy).__name__}")
-        if isinstance(max_index_chars, bool) or not isinstance(max_index_chars, int) or max_index_chars <= 0:
-            raise ValueError(f"max_index_chars must be a positive int, got {max_index_chars!r}")
+        if max_index_chars is not None and (
+            isinstance(max_index_chars, bool) or not isinstance(max_index_chars, int) or max_index_chars <= 0
+        ):
+            raise ValueError(f"max_index_chars must be a positive int or None, got {max_index_chars!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self.seed = seed
         self.policy.bind(seed)
-        self.index = PrefixIndex(max_index_chars)
+        # None: INDEX_CHARS_PER_WORKER per worker, following membership (as sglang-router bounds each
+        # worker's share of its tree); an int: that many characters in all
+        self.fixed_index_chars = max_index_chars
+        self.index = PrefixIndex(max_index_chars or INDEX_CHARS_PER_WORKER)
         self.state = ClusterState()
         # learned from finished requests' prompt_tokens; used for est_tokens and queued prefill estimates
         self.chars_per_token = CharsPerTokenEstimator()
@@ -71,6 +79,7 @@ class Router:
             )
         self.state.add_worker(worker_id)  # raises on a duplicate
         self.workers.append(worker_id)
+        self._size_index()
         self.policy.on_worker_added(worker_id)
 
     def remove_worker(self, worker_id: str) -> None:
@@ -79,7 +88,12 @@ class Router:
         self.state.remove_worker(worker_id)  # raises on an unknown worker
         self.workers.remove(worker_id)
         self.index.remove_worker(worker_id)
+        self._size_index()
         self.policy.on_worker_removed(worker_id)
+
+    def _size_index(self) -> None:
+        if self.fixed_index_chars is None:
+            self.index.set_max_chars(INDEX_CHARS_PER_WORKER * max(1, len(self.workers)))
 
     # -- requests -----------------------------------------------------------------------------------
     def estimate_tokens(self, text: str) -> int:

@@ -60,13 +60,15 @@ class RouterConfig:
     max_connections: int = 1024
     connect_timeout_s: float = 2.0
     max_attempts: int = 3
-    max_index_chars: int = 10_000_000
+    max_index_chars: int | None = None  # None: 2.5M characters per worker, following membership
     seed: int | None = None
     scrape_metrics: bool = True
 
     def validate(self) -> None:
         if self.max_body_bytes <= 0:
             raise ValueError(f"--max-body-bytes must be > 0, got {self.max_body_bytes}")
+        if self.max_index_chars is not None and self.max_index_chars <= 0:
+            raise ValueError(f"--max-index-chars must be > 0, got {self.max_index_chars}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"--request-timeout must be > 0 seconds, got {self.request_timeout_s}")
         if self.health_interval_s <= 0:
@@ -366,7 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-connections", type=int, default=1024, help="idle keep-alive connections kept per worker"
     )
-    p.add_argument("--max-index-chars", type=int, default=10_000_000)
+    p.add_argument(
+        "--max-index-chars",
+        type=int,
+        default=None,
+        help="prefix-index capacity in characters, all workers together (default: 2.5M per worker)",
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-scrape-metrics", action="store_true", help="do not read workers' /metrics")
     p.add_argument(

@@ -450,6 +450,7 @@ def test_membership_sync_adds_and_removes_workers_as_the_ray_watcher_reports() -
         ["--policy", "cache_aware", "--policy-option", "no_such_option=1"],
         ["--policy-option", "novalue"],
         ["--max-body-bytes", "0"],
+        ["--max-index-chars", "0"],
         ["--request-timeout", "-1"],
         ["--health-interval", "0"],
     ],

@@ -260,3 +260,19 @@ def test_last_used_times_follow_inserts_along_the_path() -> None:
     assert ix.last_used("abcdef", "v") is None
     assert ix.last_used("ab", "w") == 5.0  # mid-edge: the node covering its last character
     assert ix.last_used("abc", "nobody") is None
+
+
+def test_set_max_chars_trims_the_least_recently_used_now_and_rejects_bad_bounds() -> None:
+    ix = PrefixIndex(10_000)
+    for i in range(10):
+        ix.insert(chr(97 + i) + "x" * 99, "w0", float(i))  # 10 unrelated 100-char prompts, oldest first
+    assert ix.stored_chars == 1_000
+    ix.set_max_chars(450)
+    assert ix.max_chars == 450 and ix.stored_chars <= 450
+    assert ix.match("j" + "x" * 99) == {"w0": 100}  # the newest prompts stay
+    assert ix.match("a" + "x" * 99) == {}  # the oldest went first
+    ix.check_invariants()
+    ix.set_max_chars(10_000)  # growing drops nothing
+    assert ix.max_chars == 10_000 and ix.match("j" + "x" * 99) == {"w0": 100}
+    with pytest.raises(ValueError, match="max_chars"):
+        ix.set_max_chars(0)

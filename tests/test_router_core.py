@@ -95,6 +95,22 @@ def test_unknown_policy_and_options_list_valid_ones() -> None:
         Router("random", ["a"]).route("not a request", 0.0)  # type: ignore[arg-type]
 
 
+def test_default_index_bound_is_per_worker_and_follows_membership() -> None:
+    from kvroute.router.core import INDEX_CHARS_PER_WORKER
+
+    r = Router("cache_aware", [f"w{i}" for i in range(4)])
+    assert r.index.max_chars == 4 * INDEX_CHARS_PER_WORKER
+    for i in range(4, 64):
+        r.add_worker(f"w{i}")
+    assert r.index.max_chars == 64 * INDEX_CHARS_PER_WORKER
+    for i in range(64):
+        r.remove_worker(f"w{i}")
+    assert r.index.max_chars == INDEX_CHARS_PER_WORKER  # never zero, even with no worker
+    fixed = Router("cache_aware", ["a", "b"], max_index_chars=1_000)
+    fixed.add_worker("c")
+    assert fixed.index.max_chars == 1_000  # a given bound is the total, whatever the membership
+
+
 def test_bad_request_fields_and_finish_arguments() -> None:
     with pytest.raises(ValueError, match="est_tokens"):
         Request("a", "t", -1)
