@@ -19,9 +19,9 @@ from kvroute.engine_patches.sglang.rlt_core import (
     UNMARKED,
     RLTLeafSet,
     RLTPhase,
+    cut_key_tail,
     draw_leaf,
     draw_pages,
-    key_head,
     mark_path,
 )
 from kvroute.engine_patches.sglang.strategy import RLTStrategy, resolve_capacity
@@ -152,12 +152,7 @@ def _make_rlt_class(cls: type) -> type:
             value = node.value
             tail = value[keep:]
             node.value = value[:keep]
-            node.key = key_head(node.key, keep)
-            pages = keep // self.page_size
-            if node.hash_value is not None:
-                node.hash_value = node.hash_value[:pages]
-            if node.event_hash_value is not None:
-                node.event_hash_value = node.event_hash_value[:pages]
+            cut_key_tail(node, keep, self.page_size)
             self.evictable_size_ -= tail.shape[0]
             return tail
 

@@ -201,6 +201,17 @@ def mark_path(node: Any, root: Any, phase: RLTPhase, leaves: RLTLeafSet) -> None
             cur = cur.parent
 
 
+def cut_key_tail(node: Any, keep: int, page_size: int) -> None:
+    """Cut an SGLang node's key and page hashes after its first ``keep`` tokens (a page multiple), for
+    an RLT trim of a leaf's tail; the caller cuts the KV slots, which both trees keep differently."""
+    node.key = key_head(node.key, keep)
+    pages = keep // page_size
+    if node.hash_value is not None:
+        node.hash_value = node.hash_value[:pages]
+    if node.event_hash_value is not None:
+        node.event_hash_value = node.event_hash_value[:pages]
+
+
 def key_head(key: Any, n: int) -> Any:
     """``key[:n]`` for an SGLang ``RadixKey``, without ``__getitem__``'s generic slice handling for the
     plain case (no bigram view, no limit) — one call per leaf an RLT eviction trims."""

@@ -23,9 +23,9 @@ from kvroute.engine_patches.sglang.rlt_core import (
     UNMARKED,
     RLTLeafSet,
     RLTPhase,
+    cut_key_tail,
     draw_leaf,
     draw_pages,
-    key_head,
     mark_path,
 )
 from kvroute.engine_patches.sglang.strategy import POLICY_NAME, RLTStrategy, resolve_capacity
@@ -107,12 +107,7 @@ class RLTUnifiedTreeCore(UnifiedTreeCore):
         value = cd.value
         tail = value[keep:]
         cd.value = value[:keep]
-        node.key = key_head(node.key, keep)
-        pages = keep // self.page_size
-        if node.hash_value is not None:
-            node.hash_value = node.hash_value[:pages]
-        if node.event_hash_value is not None:
-            node.event_hash_value = node.event_hash_value[:pages]
+        cut_key_tail(node, keep, self.page_size)
         self.component_evictable_size_[FULL] -= tail.shape[0]
         return tail
 
