@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 from kvroute.bench.forked import run_in_fork
-from kvroute.bench.traces import gsp
+from kvroute.bench.traces import add_gsp_arguments, gsp_from_args
 
 KINDS = ("unified", "radix")
 # rlt-leaf: rlt with --radix-eviction-policy-config unit=leaf; lru-python: SGLang's lru on its Python tree
@@ -310,12 +310,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pool-tokens", type=int, default=190_000)
     p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--groups", type=int, default=64)
-    p.add_argument("--queries", type=int, default=32)
-    p.add_argument("--prefix-ratio", type=float, default=0.5)
-    p.add_argument("--order", default="round_robin", choices=("round_robin", "random"))
-    p.add_argument("--output-tokens", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    add_gsp_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     return p
 
@@ -336,14 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         policies = _split(args.policies, POLICIES, "policies")
         if args.page_size <= 0 or args.pool_tokens <= 0 or args.output_tokens < 0:
             raise ValueError("--page-size and --pool-tokens must be > 0, --output-tokens >= 0")
-        trace = gsp(
-            groups=args.groups,
-            queries_per_group=args.queries,
-            prefix_ratio=args.prefix_ratio,
-            order=args.order,
-            output_tokens=args.output_tokens,
-            seed=args.seed,
-        )
+        trace = gsp_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))  # exits with code 2
     load_plugin()

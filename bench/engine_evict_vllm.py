@@ -33,6 +33,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvroute.bench.forked import run_in_fork
+from kvroute.bench.traces import add_gsp_arguments
 
 POLICIES = ("lru", "rlt")
 TraceRequest = tuple[Sequence[int], Sequence[int]]  # (prompt tokens, output tokens)
@@ -341,12 +342,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="lru,rlt", help="comma list of: lru, rlt")
     p.add_argument("--pool-tokens", type=int, default=190_000)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--groups", type=int, default=64)
-    p.add_argument("--queries", type=int, default=32)
-    p.add_argument("--prefix-ratio", type=float, default=0.5)
-    p.add_argument("--order", default="round_robin", choices=("round_robin", "random"))
-    p.add_argument("--output-tokens", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    add_gsp_arguments(p)
     p.add_argument("--repeats", type=int, default=3, help="runs per policy (timings: median over runs)")
     p.add_argument("--json", action="store_true", help="print one JSON list of rows instead of a table")
     p.add_argument("--plot", metavar="PATH", help="also draw a PNG")
@@ -367,14 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvroute.bench import traces
 
     try:
-        trace = traces.gsp(
-            groups=args.groups,
-            queries_per_group=args.queries,
-            prefix_ratio=args.prefix_ratio,
-            order=args.order,
-            output_tokens=args.output_tokens,
-            seed=args.seed,
-        )
+        trace = traces.gsp_from_args(args)
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     import os

@@ -6,6 +6,7 @@ ids drawn from ``range(VOCAB)`` so that ``kvroute.sim.tokenizer`` can turn any t
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 
 import numpy as np
@@ -62,6 +63,29 @@ def gsp(
         perm = rng.permutation(len(requests))
         requests = [requests[i] for i in perm]
     return requests
+
+
+def add_gsp_arguments(parser: argparse.ArgumentParser) -> None:
+    """The GSP trace's command-line options, with seed 004's worst case (gsp-rr) as the defaults; the
+    engine eviction benches share them so both replay the same trace."""
+    parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--queries", type=int, default=32)
+    parser.add_argument("--prefix-ratio", type=float, default=0.5)
+    parser.add_argument("--order", default="round_robin", choices=("round_robin", "random"))
+    parser.add_argument("--output-tokens", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def gsp_from_args(args: argparse.Namespace) -> list[Request]:
+    """``gsp(...)`` from the options ``add_gsp_arguments`` defined; ValueError/TypeError on bad ones."""
+    return gsp(
+        groups=args.groups,
+        queries_per_group=args.queries,
+        prefix_ratio=args.prefix_ratio,
+        order=args.order,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+    )
 
 
 def named_trace(name: str, seed: int = 0) -> tuple[list[Request], int]:
